@@ -1,0 +1,26 @@
+"""jax-markov: DSpark's sequential Markov sampling as JAX Pallas kernels.
+
+Public API::
+
+    import jax_markov as jm
+    head = jm.MarkovHead(embed, proj)
+    draft = jm.sample_draft(base_logits, anchor_tokens, head, temperature,
+                            seeds, positions)
+    tokens, cache = jm.sample_draft_into(cache, base_logits, anchor_tokens,
+                                         head, temperature, seeds, idx_map,
+                                         positions)
+    u = jm.draft_uniforms(seeds, positions)
+    jm.reference  # the same sampler in plain jnp: the executable spec
+"""
+
+from jax_markov import reference
+from jax_markov.head import Draft, MarkovHead
+from jax_markov.kernels.tuning import KernelConfig
+from jax_markov.rng import draft_uniforms
+from jax_markov.sampler import sample_draft, sample_draft_into
+
+__all__ = [
+    "Draft", "KernelConfig", "MarkovHead", "draft_uniforms", "reference",
+    "sample_draft", "sample_draft_into",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,160 @@
+"""The block pass: one program per (request tile, vocabulary block) and step.
+
+Each program takes a tile of ``block_b`` requests and ``block_v`` vocabulary
+columns and
+
+1. forms the pre-temperature logits ``x = base + bias`` in float32, where the
+   bias comes either from a [B, V] float32 array computed beforehand (the
+   reference design: an XLA GEMM writes it to HBM, the block pass reads it back)
+   or, fused, from a dot of the tile's embeddings [block_b, R] with the
+   projection block [block_v, R] on the tensor cores (proj is read once per
+   step for the whole tile and the bias never reaches HBM);
+2. stores x to the cache row of each request (rows < 0 are padding: no store);
+3. keeps, per request, the block's max of ``y = x * scale``, the sum of
+   ``exp(y - max)`` and the first index of that max, which is all the select
+   pass needs to choose a block without reading the logits again.
+
+NaN logits enter the statistics as -inf (never drawn) but are stored as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+
+def _block_pass_kernel(*refs, fused: bool, has_cache_in: bool, block_b: int,
+                       block_v: int, block_k: int, batch: int, vocab: int,
+                       rank: int, precision):
+  if fused:
+    base_ref, emb_ref, proj_ref, *refs = refs
+  else:
+    base_ref, bias_ref, *refs = refs
+  base_rows_ref, cache_rows_ref, scale_ref, *refs = refs
+  if has_cache_in:
+    _, *refs = refs  # aliased with cache_ref: the same buffer
+  cache_ref, bmax_ref, bsum_ref, barg_ref = refs
+
+  i = pl.program_id(0)
+  j = pl.program_id(1)
+  b0 = i * block_b
+  v0 = j * block_v
+  b_mask = b0 + jnp.arange(block_b) < batch
+  v_mask = v0 + jnp.arange(block_v) < vocab
+  tile_mask = b_mask[:, None] & v_mask[None, :]
+
+  # Gathers and scatters index rows and columns with arrays (not a slice
+  # beside an array), the one mixed form both Triton and the interpreter take.
+  cols = (v0 + jnp.arange(block_v))[None, :]
+  base_rows = plgpu.load(base_rows_ref.at[pl.ds(b0, block_b)], mask=b_mask,
+                         other=0)
+  x = plgpu.load(base_ref.at[base_rows[:, None], cols], mask=tile_mask,
+                 other=0).astype(jnp.float32)
+  if fused:
+    acc = jnp.zeros((block_b, block_v), jnp.float32)
+    for k0 in range(0, rank, block_k):  # static: R / block_k dots
+      k_mask = k0 + jnp.arange(block_k) < rank
+      emb = plgpu.load(emb_ref.at[pl.ds(b0, block_b), pl.ds(k0, block_k)],
+                       mask=b_mask[:, None] & k_mask[None, :], other=0)
+      proj = plgpu.load(proj_ref.at[pl.ds(v0, block_v), pl.ds(k0, block_k)],
+                        mask=v_mask[:, None] & k_mask[None, :], other=0)
+      acc += pl.dot(emb, proj, trans_b=True, precision=precision)
+    x = x + acc
+  else:
+    rows = jnp.where(b_mask, b0 + jnp.arange(block_b), 0)
+    x = x + plgpu.load(bias_ref.at[rows[:, None], cols], mask=tile_mask,
+                       other=0)
+
+  cache_rows = plgpu.load(cache_rows_ref.at[pl.ds(b0, block_b)], mask=b_mask,
+                          other=-1)
+  # The cache holds pre-temperature logits: the verifier applies its own T.
+  # Rows not written point past the cache, never at a row another request
+  # writes (the interpreter's scatter has no order between duplicates).
+  write = cache_rows >= 0
+  cache_rows = jnp.where(write, cache_rows, cache_ref.shape[0])
+  plgpu.store(cache_ref.at[cache_rows[:, None], cols], x,
+              mask=write[:, None] & v_mask[None, :])
+
+  scale = plgpu.load(scale_ref.at[pl.ds(b0, block_b)], mask=b_mask, other=1.0)
+  y = jnp.where(x == x, x, -jnp.inf) * scale[:, None]  # NaN -> -inf
+  y = jnp.where(v_mask[None, :], y, -jnp.inf)
+  y_max = jnp.max(y, axis=1)
+  y_arg = jnp.argmax(y, axis=1).astype(jnp.int32) + v0
+  # An all -inf block has sum 0 (not exp(nan)); a +inf max makes the sum inf,
+  # which the select pass reads as "fall back to argmax".
+  finite_max = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max, 0.0)
+  y_sum = jnp.sum(jnp.exp(y - finite_max[:, None]), axis=1)
+  plgpu.store(bmax_ref.at[j, pl.ds(b0, block_b)], y_max, mask=b_mask)
+  plgpu.store(bsum_ref.at[j, pl.ds(b0, block_b)], y_sum, mask=b_mask)
+  plgpu.store(barg_ref.at[j, pl.ds(b0, block_b)], y_arg, mask=b_mask)
+
+
+def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
+               base_rows: jax.Array, cache_rows: jax.Array, scale: jax.Array,
+               cache: jax.Array | None = None, *, num_cache_rows: int,
+               block_b: int, block_v: int, block_k: int = 64,
+               num_warps: int = 4, num_stages: int = 1,
+               interpret: bool = False):
+  """Runs the block pass of one step.
+
+  Args:
+    base: [B * S, V] base logits (bf16, fp16 or fp32), request-major rows.
+    bias_or_head: ``(bias,)`` with bias float32 [B, V] (reference design), or
+      ``(emb, proj)`` with emb [B, R] the embeddings of the previous tokens and
+      proj [V, R] (fused: the bias is computed in the kernel).
+    base_rows: int32 [B], the row of ``base`` each request reads this step.
+    cache_rows: int32 [B], the row of the cache each request writes this step,
+      -1 for none (padding).
+    scale: float32 [B], 1 / T, or 1 where the draw is greedy.
+    cache: float32 [num_cache_rows, V] to update in place, or None to return a
+      new cache of which only the rows named in ``cache_rows`` are written.
+    num_cache_rows: rows of the cache (static).
+    block_b: requests per program (1 for the reference design; >= 16 fused,
+      the tensor cores' smallest tile).
+    block_v: vocabulary columns per program, a power of two.
+    block_k: rank columns per dot (fused only), a power of two >= 16.
+    num_warps, num_stages: Triton launch parameters.
+    interpret: run the kernel in the Pallas interpreter (CPU).
+
+  Returns:
+    (cache, block_max, block_sum, block_argmax): the cache float32
+    [num_cache_rows, V], and per block and request float32 [NB, B] max of
+    x * scale, float32 [NB, B] sum of exp(x * scale - max), int32 [NB, B]
+    vocabulary index of the first max; NB = cdiv(V, block_v).
+  """
+  fused = len(bias_or_head) == 2
+  batch, vocab = base_rows.shape[0], base.shape[1]
+  rank = bias_or_head[1].shape[1] if fused else 0
+  num_blocks = pl.cdiv(vocab, block_v)
+  precision = None
+  if fused and bias_or_head[1].dtype == jnp.float32:
+    precision = jax.lax.Precision.HIGHEST  # no tf32: keep float32 products
+  kernel = functools.partial(
+      _block_pass_kernel, fused=fused, has_cache_in=cache is not None,
+      block_b=block_b, block_v=block_v, block_k=block_k, batch=batch,
+      vocab=vocab, rank=rank, precision=precision)
+  inputs = (base, *bias_or_head, base_rows, cache_rows, scale)
+  aliases = {}
+  if cache is not None:
+    aliases = {len(inputs): 0}
+    inputs = (*inputs, cache)
+  out_shape = (
+      jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
+      jax.ShapeDtypeStruct((num_blocks, batch), jnp.float32),
+      jax.ShapeDtypeStruct((num_blocks, batch), jnp.float32),
+      jax.ShapeDtypeStruct((num_blocks, batch), jnp.int32),
+  )
+  return pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(pl.cdiv(batch, block_b), num_blocks),
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=num_stages),
+      interpret=interpret,
+      name="markov_block_pass",
+  )(*inputs)

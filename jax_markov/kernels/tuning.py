@@ -1,0 +1,94 @@
+"""Block sizes, warps and request tiles per shape: a committed table, no search.
+
+``choose`` looks the shape up in ``TABLE`` (entries measured on an H200 with
+``benchmarks/tune.py``; see docs/perf-notes.md) and otherwise falls back to a
+rule that keeps enough programs in flight to fill the GPU:
+
+* reference design: one request per program, vocabulary blocks of 1024 at tiny
+  batches (B * V / 1024 programs) and 4096 otherwise;
+* fused: request tiles of 16..64 (the tensor cores' smallest M is 16) and blocks
+  of 128..256 columns, so proj is streamed once per step per request tile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+METHODS = ("fused", "reference")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+  """Static launch configuration of one step's kernels.
+
+  Attributes:
+    method: "fused" (bias dot inside the block pass) or "reference" (XLA GEMM
+      writes the bias, the block pass reads it).
+    block_b: requests per block-pass program (1 for "reference").
+    block_v: vocabulary columns per block-pass program (power of two).
+    block_k: rank columns per dot, fused only (power of two >= 16).
+    num_warps, num_stages: Triton parameters of the block pass.
+    select_warps: Triton warps of the select pass.
+  """
+  method: str = "fused"
+  block_b: int = 16
+  block_v: int = 256
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 1
+  select_warps: int = 4
+
+  def __post_init__(self):
+    if self.method not in METHODS:
+      raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+    for name in ("block_b", "block_v", "block_k", "num_warps"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    if self.method == "fused" and (self.block_b < 16 or self.block_k < 16):
+      raise ValueError("fused: block_b and block_k must be >= 16 (tensor-core "
+                       f"tile), got block_b={self.block_b}, block_k={self.block_k}")
+
+
+def _next_pow2(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
+def _batch_bucket(batch: int) -> int:
+  return _next_pow2(batch)
+
+
+# (method, vocab, rank, batch bucket) -> KernelConfig, measured on an H200.
+TABLE: dict[tuple[str, int, int, int], KernelConfig] = {}
+
+
+def default_method(batch: int, vocab: int, rank: int) -> str:
+  """The faster method for a shape, by the benchmark (docs/perf-notes.md)."""
+  del batch, vocab, rank
+  return "fused"
+
+
+def choose(method: str | None, batch: int, vocab: int, rank: int, *,
+           interpret: bool) -> KernelConfig:
+  """The configuration for a shape: the table's entry, else the rule above."""
+  if method is None:
+    method = default_method(batch, vocab, rank)
+  if method not in METHODS:
+    raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
+  if interpret:
+    # The interpreter loops over the grid on the CPU: few, large programs.
+    if method == "reference":
+      return KernelConfig(method, 1, min(512, _next_pow2(vocab)), 64, 4)
+    return KernelConfig(method, 16, min(512, max(16, _next_pow2(vocab))),
+                        min(64, max(16, _next_pow2(rank))), 4)
+  entry = TABLE.get((method, vocab, rank, _batch_bucket(batch)))
+  if entry is not None:
+    return entry
+  if method == "reference":
+    block_v = 1024 if batch <= 4 else 4096
+    return KernelConfig(method, 1, min(block_v, _next_pow2(vocab)), 64,
+                        4 if block_v <= 1024 else 8)
+  block_b = min(64, max(16, _next_pow2(batch)))
+  block_v = 128 if block_b >= 64 else 256
+  return KernelConfig(method, block_b, min(block_v, max(16, _next_pow2(vocab))),
+                      min(64, max(16, _next_pow2(rank))), 4, 2)

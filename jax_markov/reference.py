@@ -1,0 +1,117 @@
+"""The sampler in plain jnp: the executable spec the kernels are tested against.
+
+The draw rule (one row x of float32 logits, temperature T, uniform u):
+
+* NaN logits count as -inf: they are never drawn.
+* y = x * (1 / T) when T > 0, y = x when T == 0; m = max(y).
+* T == 0, or m not finite (every logit -inf/NaN, or a +inf logit): the token is
+  the lowest index of the maximum of y (0 when the whole row is -inf/NaN).
+* otherwise p_j = exp(y_j - m), Z = sum_j p_j, and the token is the smallest i
+  with u * Z < sum_{j <= i} p_j: the inverse CDF in vocabulary order. Should
+  float32 rounding leave u * Z at or past the last partial sum, the token is
+  the last index with p_j > 0, so a -inf logit is never drawn.
+
+Every function here is jittable; none of them uses Pallas.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_markov import rng
+
+
+def bias(head, prev: jax.Array) -> jax.Array:
+  """Markov bias proj @ embed[prev], accumulated and returned in float32. [B, V]."""
+  emb = head.embed[prev]
+  return jax.lax.dot_general(
+      emb, head.proj, (((1,), (1,)), ((), ())),
+      precision=jax.lax.Precision.HIGHEST,
+      preferred_element_type=jnp.float32)
+
+
+def draw(logits: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
+  """Draws one token per row by the rule above.
+
+  Args:
+    logits: float32 [B, V] pre-temperature logits.
+    temperature: float [B], >= 0.
+    u: float32 [B] uniforms in [0, 1).
+
+  Returns:
+    int32 [B] tokens in [0, V).
+  """
+  x = logits.astype(jnp.float32)
+  x = jnp.where(jnp.isnan(x), -jnp.inf, x)
+  t = temperature.astype(jnp.float32)
+  greedy = t == 0
+  scale = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, t))
+  y = x * scale[:, None]
+  m = jnp.max(y, axis=-1)
+  first_max = jnp.argmax(y, axis=-1).astype(jnp.int32)
+  p = jnp.exp(y - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])
+  cdf = jnp.cumsum(p, axis=-1)
+  target = u.astype(jnp.float32) * cdf[:, -1]
+  idx = jnp.sum(cdf <= target[:, None], axis=-1).astype(jnp.int32)
+  vocab = jnp.arange(x.shape[-1], dtype=jnp.int32)
+  last_drawable = jnp.max(jnp.where(p > 0, vocab, -1), axis=-1)
+  idx = jnp.minimum(idx, last_drawable)
+  return jnp.where(greedy | ~jnp.isfinite(m), first_max, idx)
+
+
+def _chain(base_logits, anchor_tokens, head, temperature, u):
+  """Runs the S steps; temperature and u are [B, S]. Returns tokens, logits."""
+  def step(prev, xs):
+    base_s, t_s, u_s = xs
+    logits = base_s.astype(jnp.float32) + bias(head, prev)
+    tok = draw(logits, t_s, u_s)
+    return tok, (tok, logits)
+
+  xs = (jnp.swapaxes(base_logits, 0, 1), temperature.T, u.T)
+  _, (tokens, logits) = jax.lax.scan(step, anchor_tokens.astype(jnp.int32), xs)
+  return tokens.T, jnp.swapaxes(logits, 0, 1)
+
+
+@jax.jit
+def _sample_draft(base_logits, anchor_tokens, head, temperature, words, positions):
+  u = rng.uniforms_from_words(words, positions)
+  t = jnp.broadcast_to(temperature[:, None], u.shape)
+  return _chain(base_logits, anchor_tokens, head, t, u)
+
+
+def sample_draft(base_logits, anchor_tokens, head, temperature, seeds, positions):
+  """Reference for :func:`jax_markov.sample_draft`. Returns (tokens, logits).
+
+  tokens int32 [B, S]; logits float32 [B, S, V], pre-temperature.
+  """
+  return _sample_draft(jnp.asarray(base_logits), jnp.asarray(anchor_tokens),
+                       head, jnp.asarray(temperature), rng.seed_words(seeds),
+                       jnp.asarray(positions))
+
+
+@jax.jit
+def _sample_draft_into(cache, base_logits, anchor_tokens, head, temperature,
+                       words, idx_map, positions):
+  S = base_logits.shape[1]
+  valid = idx_map >= 0
+  rows = jnp.where(valid, idx_map, 0)
+  # Padding rows draw greedily: their token is any valid id by contract.
+  t = jnp.where(valid, temperature[rows], 0.0)
+  u = rng.uniforms_from_words(words[rows].reshape(-1, 2),
+                              positions.reshape(-1, 1)).reshape(rows.shape)
+  tokens, logits = _chain(base_logits, anchor_tokens, head, t, u)
+  steps = jnp.broadcast_to(jnp.arange(S), idx_map.shape)
+  # Padding rows scatter out of bounds, and mode="drop" discards them.
+  oob = jnp.where(valid, idx_map, cache.shape[0])
+  cache = cache.at[oob, steps].set(logits, mode="drop")
+  return tokens, cache
+
+
+def sample_draft_into(cache, base_logits, anchor_tokens, head, temperature,
+                      seeds, idx_map, positions):
+  """Reference for :func:`jax_markov.sample_draft_into`. Returns (tokens, cache)."""
+  return _sample_draft_into(jnp.asarray(cache), jnp.asarray(base_logits),
+                            jnp.asarray(anchor_tokens), head,
+                            jnp.asarray(temperature), rng.seed_words(seeds),
+                            jnp.asarray(idx_map), jnp.asarray(positions))

@@ -1,0 +1,231 @@
+"""The S-step Markov sampler: one jitted call, the steps as lax.scan.
+
+A step is two Pallas launches (block pass, select pass), plus the bias GEMM in
+XLA for the reference design. The carry holds the cache and the embeddings of
+the tokens just drawn, so nothing returns to the host between steps.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_markov import rng, validate
+from jax_markov.head import Draft, MarkovHead
+from jax_markov.kernels import tuning
+from jax_markov.kernels.block_pass import block_pass
+from jax_markov.kernels.select_pass import select_pass
+
+
+def _interpret_default(interpret: bool | None) -> bool:
+  return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
+               *, num_cache_rows: int, config: tuning.KernelConfig,
+               interpret: bool):
+  """Runs the S steps.
+
+  Args:
+    cache: float32 [num_cache_rows, V] updated in place, or None: step 0 then
+      creates it (no memset: every row gets written by some step).
+    base: [B, S, V]; anchor_tokens: int32 [B].
+    scale, greedy, u, cache_rows: [B, S] per draw (cache_rows flat, -1 none).
+
+  Returns:
+    (tokens int32 [B, S], cache float32 [num_cache_rows, V]).
+  """
+  B, S, V = base.shape
+  base_flat = base.reshape(B * S, V)
+  row_ids = jnp.arange(B, dtype=jnp.int32) * S
+  proj_dtype = head.proj.dtype
+  gemm_precision = (jax.lax.Precision.HIGHEST if proj_dtype == jnp.float32
+                    else jax.lax.Precision.DEFAULT)
+
+  def step(cache, emb, s):
+    if config.method == "fused":
+      bias_or_head = (emb, head.proj)
+    else:
+      bias_or_head = (jax.lax.dot_general(
+          emb, head.proj, (((1,), (1,)), ((), ())), precision=gemm_precision,
+          preferred_element_type=jnp.float32),)
+    cache, bmax, bsum, barg = block_pass(
+        base_flat, bias_or_head, row_ids + s, cache_rows[:, s], scale[:, s],
+        cache, num_cache_rows=num_cache_rows, block_b=config.block_b,
+        block_v=config.block_v, block_k=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        interpret=interpret)
+    tokens, emb = select_pass(
+        bmax, bsum, barg, cache, cache_rows[:, s], scale[:, s], greedy[:, s],
+        u[:, s], head.embed, block_v=config.block_v,
+        num_warps=config.select_warps, interpret=interpret)
+    return cache, emb, tokens
+
+  emb = head.embed[anchor_tokens]
+  first = []
+  start = 0
+  if cache is None:
+    cache, emb, tokens0 = step(None, emb, 0)
+    first, start = [tokens0[:, None]], 1
+  if start == S:
+    return jnp.concatenate(first, axis=1), cache
+
+  def body(carry, s):
+    cache, emb = carry
+    cache, emb, tokens = step(cache, emb, s)
+    return (cache, emb), tokens
+
+  (cache, _), tokens = jax.lax.scan(body, (cache, emb),
+                                    jnp.arange(start, S, dtype=jnp.int32))
+  return jnp.concatenate(first + [tokens.T], axis=1), cache
+
+
+def _draw_params(temperature, valid):
+  """Per-draw scale (1/T, 1 where greedy) and greedy flag from T [B, S]."""
+  t = temperature.astype(jnp.float32)
+  greedy = (t == 0) | ~valid
+  scale = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, t))
+  return scale, greedy.astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
+                  config, interpret):
+  B, S, V = base.shape
+  u = rng.uniforms_from_words(words, positions)
+  valid = jnp.ones((B, S), bool)
+  scale, greedy = _draw_params(jnp.broadcast_to(temperature[:, None], (B, S)),
+                               valid)
+  cache_rows = jnp.arange(B * S, dtype=jnp.int32).reshape(B, S)
+  tokens, cache = _run_steps(None, base, anchor_tokens.astype(jnp.int32), head,
+                             scale, greedy, u, cache_rows,
+                             num_cache_rows=B * S, config=config,
+                             interpret=interpret)
+  return Draft(tokens, cache.reshape(B, S, V))
+
+
+def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
+                            words, idx_map, positions, *, config, interpret):
+  B, S, V = base.shape
+  N = cache.shape[0]
+  idx_map = idx_map.astype(jnp.int32)
+  valid = idx_map >= 0
+  rows = jnp.where(valid, idx_map, 0)
+  u = rng.uniforms_from_words(words[rows].reshape(B * S, 2),
+                              positions.reshape(B * S, 1)).reshape(B, S)
+  # Padding rows draw greedily: their token is any valid id by contract.
+  scale, greedy = _draw_params(temperature[rows], valid)
+  steps = jnp.arange(S, dtype=jnp.int32)[None, :]
+  cache_rows = jnp.where(valid, idx_map * S + steps, -1)
+  tokens, cache = _run_steps(cache.reshape(N * S, V), base,
+                             anchor_tokens.astype(jnp.int32), head, scale,
+                             greedy, u, cache_rows, num_cache_rows=N * S,
+                             config=config, interpret=interpret)
+  return tokens, cache.reshape(N, S, V)
+
+
+_sample_draft_into = jax.jit(_sample_draft_into_impl,
+                             static_argnames=("config", "interpret"))
+_sample_draft_into_donated = jax.jit(_sample_draft_into_impl,
+                                     static_argnames=("config", "interpret"),
+                                     donate_argnums=(0,))
+
+
+def _config(config, method, batch, vocab, rank, interpret):
+  if config is not None:
+    if method is not None and method != config.method:
+      raise ValueError(f"method={method!r} disagrees with config.method="
+                       f"{config.method!r}")
+    return config
+  return tuning.choose(method, batch, vocab, rank, interpret=interpret)
+
+
+def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
+                 seeds, positions, *, interpret: bool | None = None,
+                 method: str | None = None,
+                 config: tuning.KernelConfig | None = None,
+                 check_values: bool = True) -> Draft:
+  """Drafts S tokens per request with the Markov head, in one jitted call.
+
+  Step s draws token[b, s] from ``logits[b, s] = base_logits[b, s] +
+  head.proj @ head.embed[prev[b]]`` where prev starts at ``anchor_tokens[b]``
+  and becomes each drawn token. The draw is exactly the rule of
+  :mod:`jax_markov.reference` with ``u = draft_uniforms(seeds, positions)``.
+
+  Args:
+    base_logits: [B, S, V] bf16, fp16 or fp32 backbone logits.
+    anchor_tokens: int [B], the token before the first draft position.
+    head: the Markov head (embed [V_in >= V, R], proj [V, R], one dtype).
+    temperature: float [B] >= 0; 0 draws the argmax (lowest index on ties).
+    seeds: [B] integer seeds (int64 NumPy arrays keep all 64 bits), or uint32
+      [B, 2] already split; see :func:`jax_markov.rng.seed_words`.
+    positions: int [B, S] >= 0, the position each draw is keyed by.
+    interpret: run the Pallas kernels in interpret mode; None picks it on any
+      backend but GPU.
+    method: "fused" or "reference" (bias GEMM in XLA, as vLLM's design); None
+      picks the faster one for the shape (kernels/tuning.py).
+    config: a full launch configuration, overriding the tuning table.
+    check_values: read concrete arguments to check their values (waits for
+      device arrays; inside jit nothing is read either way).
+
+  Returns:
+    Draft(tokens int32 [B, S], logits float32 [B, S, V]), the logits being the
+    pre-temperature values base + bias with the bias accumulated in float32.
+    A row whose logits are all -inf or NaN draws token 0; NaN logits are never
+    drawn and are returned in ``logits`` as computed.
+  """
+  B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
+                                  check_values=check_values)
+  validate.check_temperature(temperature, B, "B", check_values=check_values)
+  words = rng.seed_words(seeds)
+  validate.check_seed_words(words, B, "B")
+  interpret = _interpret_default(interpret)
+  config = _config(config, method, B, V, head.rank, interpret)
+  return _sample_draft(jnp.asarray(base_logits), jnp.asarray(anchor_tokens),
+                       head, jnp.asarray(temperature), words,
+                       jnp.asarray(positions), config=config,
+                       interpret=interpret)
+
+
+def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
+                      temperature, seeds, idx_map, positions, *,
+                      interpret: bool | None = None,
+                      method: str | None = None,
+                      config: tuning.KernelConfig | None = None,
+                      donate: bool = True, check_values: bool = True):
+  """The serving-engine layout: draws into a cache indexed by state rows.
+
+  The logits of (request b, step s) go to ``cache[idx_map[b, s], s, :]``; the
+  temperature and seed of that draw are ``temperature[idx_map[b, s]]`` and
+  ``seeds[idx_map[b, s]]``. A row whose idx_map is -1 is padding: it writes
+  nothing and its token is some valid id.
+
+  Args:
+    cache: float32 [N, S, V]. With ``donate=True`` (the default) its buffer is
+      donated and updated in place (no copy of the cache per call): use the
+      returned cache, not the argument, afterwards.
+    base_logits, anchor_tokens, head, positions: as in :func:`sample_draft`.
+    temperature: float [N] >= 0, per state row.
+    seeds: [N] integer seeds or uint32 [N, 2], per state row.
+    idx_map: int [B, S] in [-1, N); no state row twice within a step.
+    interpret, method, config, check_values: as in :func:`sample_draft`.
+    donate: donate ``cache`` to the call.
+
+  Returns:
+    (tokens int32 [B, S], cache float32 [N, S, V]).
+  """
+  B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
+                                  check_values=check_values)
+  N = validate.check_cache(cache, idx_map, B, S, V, check_values=check_values)
+  validate.check_temperature(temperature, N, "N", check_values=check_values)
+  words = rng.seed_words(seeds)
+  validate.check_seed_words(words, N, "N")
+  interpret = _interpret_default(interpret)
+  config = _config(config, method, B, V, head.rank, interpret)
+  fn = _sample_draft_into_donated if donate else _sample_draft_into
+  return fn(jnp.asarray(cache), jnp.asarray(base_logits),
+            jnp.asarray(anchor_tokens), head, jnp.asarray(temperature), words,
+            jnp.asarray(idx_map), jnp.asarray(positions), config=config,
+            interpret=interpret)
