@@ -7,8 +7,8 @@ Python version (docstrings change between releases); nothing in the project
 depends on the exact text. Under ``python -OO`` docstrings are stripped, and
 the embedded paragraph below keeps the text from being empty.
 
-The vocabulary is character level: ``"\\n"`` and the 95 printable ASCII
-characters, ``V = 96``. Tabs become spaces; any other character is dropped.
+The text is normalized (:func:`normalize`). The vocabulary is character
+level: ``"\\n"`` and the 95 printable ASCII characters, ``V = 96``.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import inspect
 import io
+import re
 
 import numpy as np
 
@@ -87,9 +88,18 @@ def load_text(max_chars: int = 200_000) -> str:
 
 
 def normalize(text: str) -> str:
-  """Maps tabs to spaces and drops characters outside the vocabulary."""
+  """Fits text to the vocabulary and makes it read more like prose.
+
+  Tabs become spaces, characters outside the vocabulary are dropped, and runs
+  of spaces (the indentation of code examples) become one space, as do runs of
+  blank lines: otherwise a bigram model's most likely token after a space is
+  another space.
+  """
   text = text.replace("\t", " ").replace("\r\n", "\n")
-  return "".join(c for c in text if c in _INDEX)
+  text = "".join(c for c in text if c in _INDEX)
+  text = re.sub(r" +", " ", text)
+  text = re.sub(r" ?\n ?", "\n", text)
+  return re.sub(r"\n{3,}", "\n\n", text)
 
 
 def encode(text: str) -> np.ndarray:

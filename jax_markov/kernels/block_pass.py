@@ -62,7 +62,9 @@ def _block_pass_kernel(*refs, fused: bool, has_cache_in: bool, block_b: int,
                        mask=b_mask[:, None] & k_mask[None, :], other=0)
       proj = plgpu.load(proj_ref.at[pl.ds(v0, block_v), pl.ds(k0, block_k)],
                         mask=v_mask[:, None] & k_mask[None, :], other=0)
-      acc += pl.dot(emb, proj, trans_b=True, precision=precision)
+      acc += jax.lax.dot_general(emb, proj, (((1,), (1,)), ((), ())),
+                                 precision=precision,
+                                 preferred_element_type=jnp.float32)
     x = x + acc
   else:
     rows = jnp.where(b_mask, b0 + jnp.arange(block_b), 0)

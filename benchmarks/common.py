@@ -1,0 +1,313 @@
+"""Shared pieces of the benchmark: shapes, synthetic inputs, the HBM floor, timing.
+
+Nothing here imports torch or JAX at module level: the torch processes must not
+initialise JAX and the JAX processes must not initialise torch.
+
+Synthetic inputs. Every implementation, in whichever framework and process,
+must see bit-identical inputs so that their temperature-0 tokens can be
+compared. The inputs are built on the device from an int32 hash of the element
+index (only wrapping int32 multiply, xor, and, shifts: the same in torch and
+JAX), and their values are chosen so that every sum the sampler forms is exact:
+
+* embed entries in {-1, 0, 1}, proj entries in {-1, 0, 1} / 8, so the bias
+  ``proj @ embed[prev]`` is k / 8 with an integer |k| <= R <= 256: exact in
+  float32 whatever the summation order, and exact even when a baseline rounds
+  the bias to bf16 (vLLM's loop does);
+* base logits ``+-(128 + j) * 2**e / 256`` (j < 128, e < 4): exact in bf16
+  and fp16, magnitudes in [0.5, 8), multiples of 2**-8;
+* so base + bias is exact in float32, every implementation sees the same
+  float32 logits, and the temperature-0 argmax (lowest index of the maximum)
+  must agree exactly, ties included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Callable, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """A benchmark shape.
+
+  Attributes:
+    name: short key used on the command line (``--shapes``).
+    label: human-readable name for tables and plots.
+    V: vocabulary size (also the embedding table's row count, V_in = V).
+    R: Markov rank.
+    S: draft steps.
+    dtype: dtype name of base logits and weights ("bfloat16", "float16",
+      "float32").
+  """
+  name: str
+  label: str
+  V: int
+  R: int
+  S: int
+  dtype: str = "bfloat16"
+
+
+SHAPES = {
+    "dsv4": Shape("dsv4", "DeepSeek-V4", V=129280, R=256, S=7),
+    "v200k": Shape("v200k", "200k vocabulary", V=200064, R=256, S=7),
+    "v152k": Shape("v152k", "152k vocabulary", V=151936, R=256, S=7),
+    "small": Shape("small", "small", V=32000, R=64, S=4),
+    # Not in the defaults: for tests and smoke runs on CPU.
+    "tiny": Shape("tiny", "tiny", V=1000, R=16, S=3),
+}
+DEFAULT_SHAPES = ("dsv4", "v200k", "v152k", "small")
+DEFAULT_BATCHES = (1, 4, 16, 64, 256)
+DEFAULT_TEMPERATURES = (0.0, 1.0)
+
+# Implementation name -> the process family that runs it.
+FAMILIES = {
+    "jax_markov": "jax",
+    "plain_jax": "jax",
+    "reference_triton": "torch",
+    "reference_triton_graph": "torch",
+    "vllm_loop": "torch",
+    "vllm_loop_graph": "torch",
+    "torch_bridge": "bridge",
+    # Not in the defaults: jax_markov forced to the reference design's method
+    # (bias GEMM in XLA, then the block pass), for issue comparisons.
+    "jax_markov_reference": "jax",
+}
+IMPLS = ("jax_markov", "torch_bridge", "reference_triton",
+         "reference_triton_graph", "vllm_loop", "vllm_loop_graph", "plain_jax")
+ALL_IMPLS = IMPLS + ("jax_markov_reference",)
+# Families run in this order; the first one's temperature-0 tokens are the
+# ones the later ones are checked against (jax_markov first when it runs).
+FAMILY_ORDER = ("jax", "torch", "bridge")
+
+ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+# Inputs smaller than this are replicated and rotated between calls, so that
+# no call finds its operands in the L2 cache left warm by the call before
+# (the H200's L2 is 50 MB; twice that keeps a set evicted by the others).
+L2_FLUSH_BYTES = 2 * 50 * 2**20
+MAX_INPUT_SETS = 8
+
+
+def floor_bytes(shape: Shape, batch: int) -> int:
+  """Bytes one S-step draft must move at the least.
+
+  proj [V, R] read once a step, base logits [B, S, V] read once, and the
+  float32 logit cache [B, S, V] written once. The embedding rows (B * S * R
+  elements) and the tokens are negligible and not counted.
+  """
+  isz = ITEMSIZE[shape.dtype]
+  return (shape.S * shape.V * shape.R * isz + batch * shape.S * shape.V * isz
+          + batch * shape.S * shape.V * 4)
+
+
+def input_set_bytes(shape: Shape, batch: int) -> int:
+  """Bytes of one set of inputs and outputs (weights, base, cache)."""
+  isz = ITEMSIZE[shape.dtype]
+  return (2 * shape.V * shape.R * isz + batch * shape.S * shape.V * isz
+          + batch * shape.S * shape.V * 4)
+
+
+def num_input_sets(shape: Shape, batch: int) -> int:
+  """How many input sets to rotate between timed calls (1 for large inputs)."""
+  n = math.ceil(L2_FLUSH_BYTES / input_set_bytes(shape, batch))
+  return max(1, min(MAX_INPUT_SETS, n))
+
+
+def device_slug(name: str) -> str:
+  """'NVIDIA H200' -> 'nvidia-h200'; used for the results file name."""
+  slug = re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+  return slug or "unknown"
+
+
+# ---------------------------------------------------------------------------
+# Synthetic inputs, written once for torch tensors and JAX arrays alike: the
+# functions below use only Python operators on int32 arrays.
+
+_SEED_STRIDE = 0x632BE5AB
+
+
+def _to_i32(v: int) -> int:
+  v &= 0xFFFFFFFF
+  return v - (1 << 32) if v >= (1 << 31) else v
+
+
+def mix32(x):
+  """An int32 -> int32 hash (lowbias32) of a torch or JAX int32 array.
+
+  Right shifts of int32 are arithmetic in both frameworks, so each is masked
+  to act as the logical shift of the uint32 hash.
+  """
+  x = x ^ ((x >> 16) & 0xFFFF)
+  x = x * _to_i32(0x7FEB352D)
+  x = x ^ ((x >> 15) & 0x1FFFF)
+  x = x * _to_i32(0x846CA68B)
+  x = x ^ ((x >> 16) & 0xFFFF)
+  return x
+
+
+def stream_offset(stream: int, set_index: int) -> int:
+  """int32 offset added to element indices, one per (tensor, input set)."""
+  return _to_i32((stream * 7919 + set_index * 104729 + 1) * _SEED_STRIDE)
+
+
+def base_numerators(index, offset: int):
+  """int32 numerators n of the base logits n / 256 for flat element indices."""
+  h = mix32(index + offset)
+  sign = 1 - 2 * ((h >> 30) & 1)
+  mantissa = 128 + ((h >> 8) & 127)
+  return sign * (mantissa << ((h >> 16) & 3))
+
+
+def ternary(index, offset: int):
+  """int32 values in {-1, 0, 1} for flat element indices (embed; proj * 8)."""
+  h = mix32(index + offset)
+  return ((h >> 8) & 0xFFFF) % 3 - 1
+
+
+def token_ids(index, offset: int, vocab: int):
+  """int32 token ids in [0, vocab) for flat element indices."""
+  h = mix32(index + offset)
+  return ((h >> 1) & 0x3FFFFFFF) % vocab
+
+
+# Streams of the hash, one per tensor.
+STREAM_BASE, STREAM_EMBED, STREAM_PROJ, STREAM_ANCHOR = 1, 2, 3, 4
+BASE_SCALE = 1.0 / 256.0
+PROJ_SCALE = 1.0 / 8.0
+
+
+def seeds_and_positions(batch: int, steps: int):
+  """NumPy int64 seeds [B] and int32 positions [B, S] used by every run."""
+  import numpy as np
+  seeds = (np.arange(batch, dtype=np.int64) * 1_000_003 + (1 << 40) + 17)
+  positions = (np.arange(steps, dtype=np.int32)[None, :] + 100
+               + 3 * np.arange(batch, dtype=np.int32)[:, None])
+  return seeds, positions.astype(np.int32)
+
+
+# ---------------------------------------------------------------------------
+# Progress and timing helpers.
+
+class Progress:
+  """Prints one line per event to stderr with the time since the run began."""
+
+  def __init__(self, start_time: float | None = None, prefix: str = ""):
+    self.start = time.time() if start_time is None else start_time
+    self.prefix = prefix
+
+  def __call__(self, msg: str) -> None:
+    elapsed = time.time() - self.start
+    print(f"[bench {elapsed:7.1f}s]{self.prefix} {msg}", file=sys.stderr,
+          flush=True)
+
+
+def median_of_groups(run_group: Callable[[int], float], repeats: int,
+                     group: int) -> tuple[float, int]:
+  """Median over groups of the per-call time.
+
+  Args:
+    run_group: runs ``n`` calls back to back and returns their total time in
+      milliseconds (the caller does the synchronisation).
+    repeats: total timed calls; at least one group is run.
+    group: calls per group.
+
+  Returns:
+    (median per-call milliseconds, number of groups).
+  """
+  group = max(1, min(group, repeats))
+  n_groups = max(1, repeats // group)
+  times = [run_group(group) / group for _ in range(n_groups)]
+  return statistics.median(times), n_groups
+
+
+def write_json(path: str, obj) -> None:
+  """Writes ``obj`` as JSON atomically (a crash never leaves half a file)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
+
+
+def parse_list(text: str | None, default: Sequence, cast=str) -> list:
+  """'1,4,16' -> [1, 4, 16]; None -> list(default)."""
+  if text is None:
+    return list(default)
+  return [cast(t) for t in text.split(",") if t.strip()]
+
+
+# ---------------------------------------------------------------------------
+# The synthetic inputs as torch tensors or JAX arrays.
+
+def torch_inputs(shape: Shape, batch: int, set_index: int, device):
+  """Synthetic inputs as torch tensors on ``device``.
+
+  Returns:
+    dict with base [B, S, V] (shape.dtype), embed [V, R] and proj [V, R]
+    (shape.dtype), anchors int64 [B].
+  """
+  import torch
+  dtype = getattr(torch, shape.dtype)
+  V, R, S = shape.V, shape.R, shape.S
+
+  def idx(start, n):
+    return torch.arange(start, start + n, dtype=torch.int32, device=device)
+
+  row = S * V
+  base = torch.empty((batch, S, V), dtype=dtype, device=device)
+  chunk = max(1, (64 << 20) // row)  # rows per chunk: bounded temporaries
+  off = stream_offset(STREAM_BASE, set_index)
+  for b0 in range(0, batch, chunk):
+    b1 = min(batch, b0 + chunk)
+    n = base_numerators(idx(b0 * row, (b1 - b0) * row), off)
+    base[b0:b1] = (n.to(torch.float32) * BASE_SCALE).view(b1 - b0, S, V).to(dtype)
+  embed = ternary(idx(0, V * R), stream_offset(STREAM_EMBED, set_index))
+  embed = embed.to(torch.float32).view(V, R).to(dtype)
+  proj = ternary(idx(0, V * R), stream_offset(STREAM_PROJ, set_index))
+  proj = (proj.to(torch.float32) * PROJ_SCALE).view(V, R).to(dtype)
+  anchors = token_ids(idx(0, batch), stream_offset(STREAM_ANCHOR, set_index), V)
+  return dict(base=base, embed=embed, proj=proj, anchors=anchors.to(torch.int64))
+
+
+_JAX_GEN_CACHE = {}
+
+
+def jax_inputs(shape: Shape, batch: int, set_index: int):
+  """The same synthetic inputs as :func:`torch_inputs`, as JAX arrays.
+
+  Returns:
+    dict with base [B, S, V], embed [V, R], proj [V, R] (shape.dtype) and
+    anchors int32 [B], on JAX's default device.
+  """
+  import jax
+  import jax.numpy as jnp
+  key = (shape, batch)
+  if key not in _JAX_GEN_CACHE:
+    dtype = jnp.dtype(shape.dtype)
+    V, R, S = shape.V, shape.R, shape.S
+
+    @jax.jit
+    def gen(offsets):
+      # offsets: int32 [4], one per stream; traced so one compile per shape.
+      bi = jnp.arange(batch * S * V, dtype=jnp.int32)
+      wi = jnp.arange(V * R, dtype=jnp.int32)
+      base = (base_numerators(bi, offsets[0]).astype(jnp.float32)
+              * BASE_SCALE).astype(dtype).reshape(batch, S, V)
+      embed = ternary(wi, offsets[1]).astype(jnp.float32).astype(dtype)
+      proj = (ternary(wi, offsets[2]).astype(jnp.float32)
+              * PROJ_SCALE).astype(dtype)
+      anchors = token_ids(jnp.arange(batch, dtype=jnp.int32), offsets[3], V)
+      return base, embed.reshape(V, R), proj.reshape(V, R), anchors
+    _JAX_GEN_CACHE[key] = gen
+  offsets = jnp.asarray([stream_offset(s, set_index) for s in
+                         (STREAM_BASE, STREAM_EMBED, STREAM_PROJ, STREAM_ANCHOR)],
+                        dtype=jnp.int32)
+  base, embed, proj, anchors = _JAX_GEN_CACHE[key](offsets)
+  return dict(base=base, embed=embed, proj=proj, anchors=anchors)

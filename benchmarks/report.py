@@ -1,0 +1,284 @@
+"""The benchmark report: docs/benchmarks.md and docs/benchmarks.png from the JSON.
+
+Usage: ``python -m benchmarks.report benchmarks/results/<device>.json
+[--docs-dir docs]`` (``python -m jax_markov bench`` calls it after a full run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+from benchmarks.common import ALL_IMPLS, SHAPES
+
+REF_IMPL = "reference_triton_graph"
+
+INTRO = """\
+What is timed: the whole S-step draft from given base logits (the backbone
+forward is not timed): S times the Markov bias `proj @ embed[prev]`, the
+logits `base + bias` written to a float32 cache [B, S, V], and one token drawn
+per request, on one GPU, in one run.
+"""
+
+DESCRIPTIONS = {
+    "jax_markov": "`jm.sample_draft`: Pallas kernels, all steps in one jitted "
+                  "call",
+    "torch_bridge": "`torch_bridge.FusedMarkovSampler` end to end from torch "
+                    "tensors (speculator double; the base logits are "
+                    "preallocated)",
+    "reference_triton": "the reference design: bias GEMM (cuBLAS, float32 "
+                        "out) + Triton block pass + Triton select pass "
+                        "(inverse CDF) a step, scratch preallocated; eager",
+    "reference_triton_graph": "the same, captured in a CUDA graph",
+    "vllm_loop": "vLLM's unfused loop: embedding, linear, add, cache write, "
+                 "Gumbel-max draw; eager torch",
+    "vllm_loop_graph": "the same, captured in a CUDA graph",
+    "plain_jax": "jnp ops + `jax.random.categorical` inside `lax.scan`, one "
+                 "jit",
+    "jax_markov_reference": "jax_markov with `method=\"reference\"`: XLA "
+                            "bias GEMM, then the Pallas block pass",
+}
+
+METHOD = """\
+Method: each family runs in its own process (JAX; torch + Triton; the bridge).
+Warm-up calls, then groups of back-to-back calls, each group timed with CUDA
+events (torch) or with `perf_counter` up to `block_until_ready` of the group's
+last result (JAX; the bridge up to `torch.cuda.synchronize()`); the time is
+the median over groups of the per-call time. Inputs smaller than twice the L2
+cache are replicated and the calls rotate through the copies. jax_markov is
+called with `check_values=False` (no host read-back of the inputs per call).
+Before timing, every implementation's temperature-0 tokens were checked
+against the first one's: the synthetic inputs make every logit exact in
+float32, so they must agree exactly (see `benchmarks/common.py`).
+"""
+
+
+def _load(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def _groups(rows):
+  """Yields (shape name, temperature, rows of it) in a stable order."""
+  shapes = []
+  for r in rows:
+    if r.get("shape") not in shapes:
+      shapes.append(r.get("shape"))
+  for shape in shapes:
+    sub = [r for r in rows if r.get("shape") == shape]
+    for temp in sorted({r["temperature"] for r in sub}):
+      yield shape, temp, [r for r in sub if r["temperature"] == temp]
+
+
+def _shape_title(shape, rows):
+  r = rows[0]
+  label = SHAPES[shape].label if shape in SHAPES else shape
+  return f"{label} (V={r['V']}, R={r['R']}, S={r['S']}, {r['dtype']})"
+
+
+def _impls(rows):
+  present = {r["impl"] for r in rows}
+  return [i for i in ALL_IMPLS if i in present]
+
+
+def _table(rows):
+  """Markdown table of one (shape, temperature): batch x impl."""
+  impls = _impls(rows)
+  batches = sorted({r["batch"] for r in rows})
+  cell = {(r["batch"], r["impl"]): r for r in rows}
+  lines = ["| B | floor ms | " + " | ".join(impls) + " |",
+           "| ---: | ---: | " + " | ".join("---:" for _ in impls) + " |"]
+  for b in batches:
+    any_row = next(r for r in rows if r["batch"] == b)
+    floor = any_row.get("floor_ms")
+    ref = cell.get((b, REF_IMPL))
+    cells = []
+    for impl in impls:
+      r = cell.get((b, impl))
+      if r is None:
+        cells.append("")
+        continue
+      ms = r["median_ms"]
+      parts = []
+      if floor:
+        parts.append(f"{ms / floor:.2f}x fl")
+      if ref is not None:
+        parts.append(f"{ms / ref['median_ms']:.2f}x ref")
+      txt = f"{ms:.3f}" + (f" ({', '.join(parts)})" if parts else "")
+      if r.get("tokens_match") is False:
+        txt += " **tokens differ**"
+      cells.append(txt)
+    floor_txt = f"{floor:.3f}" if floor else "n/a"
+    lines.append(f"| {b} | {floor_txt} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def text_summary(rows) -> str:
+  """A plain-text table per (shape, temperature): batch x impl, median ms."""
+  out = []
+  for shape, temp, sub in _groups(rows):
+    impls = _impls(sub)
+    out.append(f"{_shape_title(shape, sub)}, T={temp:g}: median ms")
+    out.append(f"{'B':>5} {'floor':>8} " + " ".join(f"{i[:14]:>14}"
+                                                   for i in impls))
+    cell = {(r["batch"], r["impl"]): r for r in sub}
+    for b in sorted({r["batch"] for r in sub}):
+      floor = next(r for r in sub if r["batch"] == b).get("floor_ms")
+      vals = []
+      for i in impls:
+        r = cell.get((b, i))
+        vals.append(f"{r['median_ms']:>14.4f}" if r else " " * 14)
+      floor_txt = f"{floor:8.4f}" if floor else f"{'n/a':>8}"
+      out.append(f"{b:>5} {floor_txt} " + " ".join(vals))
+    out.append("")
+  return "\n".join(out)
+
+
+def plot(rows, png_path) -> None:
+  """Time against batch per implementation (log-log), floor dashed; one
+  subplot per (shape, temperature)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.ticker
+  import matplotlib.pyplot as plt
+
+  groups = list(_groups(rows))
+  temps = sorted({t for _, t, _ in groups})
+  shapes = []
+  for s, _, _ in groups:
+    if s not in shapes:
+      shapes.append(s)
+  fig, axes = plt.subplots(len(shapes), len(temps), squeeze=False,
+                           figsize=(5.2 * len(temps), 3.6 * len(shapes)))
+  colors = dict(zip(ALL_IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+  handles = {}
+  for shape, temp, sub in groups:
+    ax = axes[shapes.index(shape)][temps.index(temp)]
+    for impl in _impls(sub):
+      pts = sorted((r["batch"], r["median_ms"]) for r in sub
+                   if r["impl"] == impl)
+      (h,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                     ms=3, color=colors.get(impl), label=impl)
+      handles[impl] = h
+    floor = sorted({(r["batch"], r["floor_ms"]) for r in sub
+                    if r.get("floor_ms")})
+    if floor:
+      (h,) = ax.plot([p[0] for p in floor], [p[1] for p in floor], "k--",
+                     label="HBM floor")
+      handles["HBM floor"] = h
+    ax.set_xscale("log", base=2)
+    batches = sorted({r["batch"] for r in sub})
+    ax.set_xticks(batches)
+    ax.set_xticklabels([str(b) for b in batches])
+    ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    ax.set_yscale("log")
+    ax.set_title(f"{_shape_title(shape, sub)}, T={temp:g}", fontsize=8)
+    ax.set_xlabel("batch")
+    ax.set_ylabel("ms per S-step draft")
+    ax.grid(True, which="both", alpha=0.3)
+  fig.legend(list(handles.values()), list(handles.keys()),
+             loc="lower center", ncol=min(4, len(handles)), fontsize=8)
+  fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(handles) > 4), 1, 1))
+  fig.savefig(png_path, dpi=110)
+  plt.close(fig)
+
+
+def markdown(rows, json_name: str, png_name: str) -> str:
+  """The text of docs/benchmarks.md for these rows.
+
+  json_name: the results file as the page should name it (relative to the
+  repository root); png_name: the plot's path relative to the page.
+  """
+  device = rows[0].get("device", "unknown")
+  bws = sorted({r["copy_bw_gbs"] for r in rows if r.get("copy_bw_gbs")})
+  bw = bws[0] if len(bws) == 1 else None
+  lines = [
+      "# Benchmarks",
+      "",
+      f"Generated by `python -m jax_markov bench` on **{device}** "
+      f"({datetime.date.today().isoformat()}) from "
+      f"`{json_name}`"
+      + (f"; copy bandwidth measured in the same run: {bw / 1e3:.2f} TB/s."
+         if bw else "" if not bws else
+         "; merged from runs whose measured copy bandwidths were "
+         + ", ".join(f"{b / 1e3:.2f}" for b in bws) + " TB/s (each row's "
+         "floor uses its own run's)."),
+      "Regenerate the page with `python -m benchmarks.report "
+      f"{json_name}`.",
+      "",
+      INTRO,
+      "| impl | what |",
+      "| --- | --- |",
+  ] + [f"| {i} | {DESCRIPTIONS[i]} |" for i in _impls(rows)] + [
+      "| floor | bytes that must move (proj read once a step, base read "
+      "once, float32 cache written once) / copy bandwidth measured in the "
+      "same run |",
+      "",
+      METHOD,
+      f"![time against batch]({png_name})",
+      "",
+      "Each cell: median ms per S-step draft (that time over the HBM floor, "
+      f"over {REF_IMPL}).",
+      "",
+  ]
+  for shape, temp, sub in _groups(rows):
+    lines += [f"## {_shape_title(shape, sub)}, temperature {temp:g}", "",
+              _table(sub), ""]
+  notes = sorted({f"{r['impl']}: {r['note']}" for r in rows if r.get("note")})
+  gemm = sorted({r["bias_gemm"] for r in rows if r.get("bias_gemm")})
+  if gemm:
+    notes.append(f"reference_triton bias GEMM: {', '.join(gemm)}")
+  bad = [r for r in rows if r.get("tokens_match") is False]
+  if bad:
+    notes.append(f"{len(bad)} rows drew temperature-0 tokens that differ from "
+                 "the first implementation's (marked above)")
+  if notes:
+    lines += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+  return "\n".join(lines)
+
+
+def _display_path(path: str) -> str:
+  """The path relative to the repository root when inside it."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  rel = os.path.relpath(os.path.abspath(path), root)
+  return path if rel.startswith("..") else rel
+
+
+def write_report(json_path: str, docs_dir: str) -> tuple[str, str]:
+  """Writes docs_dir/benchmarks.md and docs_dir/benchmarks.png.
+
+  Args:
+    json_path: a results file written by :mod:`benchmarks.run` (a list of
+      rows).
+    docs_dir: output folder.
+
+  Returns:
+    (markdown path, png path).
+  """
+  rows = _load(json_path)
+  os.makedirs(docs_dir, exist_ok=True)
+  md_path = os.path.join(docs_dir, "benchmarks.md")
+  png_path = os.path.join(docs_dir, "benchmarks.png")
+  plot(rows, png_path)
+  with open(md_path, "w") as f:
+    f.write(markdown(rows, _display_path(json_path),
+                     os.path.basename(png_path)))
+  return md_path, png_path
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m benchmarks.report")
+  p.add_argument("json_path")
+  p.add_argument("--docs-dir", default=os.path.join(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs"))
+  args = p.parse_args(argv)
+  md, png = write_report(args.json_path, args.docs_dir)
+  print(f"wrote {md} and {png}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

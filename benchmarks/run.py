@@ -1,0 +1,822 @@
+"""The benchmark: S-step Markov sampling, jax_markov against its baselines.
+
+Times, on one device, the whole S-step draft from given base logits (the
+backbone forward is not timed) for each implementation:
+
+  jax_markov              jm.sample_draft, one jitted call for all steps
+  torch_bridge            torch_bridge.FusedMarkovSampler, end to end from
+                          torch tensors (through a speculator double)
+  reference_triton        bias GEMM + Triton block and select passes, eager
+  reference_triton_graph  the same captured in a CUDA graph
+  vllm_loop               vLLM's unfused torch loop (Gumbel-max), eager
+  vllm_loop_graph         the same captured in a CUDA graph
+  plain_jax               jnp ops + jax.random.categorical in lax.scan, jit
+
+and the HBM floor: the bytes that must move (proj read once a step, base
+read once, the float32 cache written once) over the device-to-device copy
+bandwidth measured in the same run.
+
+Each family runs in its own process (JAX; torch + Triton + CUDA graphs; the
+torch bridge, which needs both), one after the other, each writing its rows to
+a JSON file the parent merges into ``benchmarks/results/<device>.json``.
+Before anything of a (shape, batch) is timed, every implementation's
+temperature-0 tokens are checked against those of the first implementation
+that ran (jax_markov when it runs): the synthetic inputs make every logit exact
+in float32 (see :mod:`benchmarks.common`), so they must agree exactly.
+
+Timing: warm-up calls first; then ``repeats`` calls in groups of ``group``
+back-to-back calls; a group is timed with CUDA events (torch) or with
+perf_counter up to block_until_ready of its last result (JAX; for the bridge,
+up to torch.cuda.synchronize()); the result is the median over groups of the
+per-call time. Inputs smaller than twice the L2 cache are replicated and the
+calls rotate through the copies, so no call reads operands left in L2.
+
+Usage: ``python -m jax_markov bench [options]`` or ``python -m benchmarks.run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+from benchmarks import common
+from benchmarks.common import (ALL_IMPLS, FAMILIES, FAMILY_ORDER, IMPLS,
+                               SHAPES, Progress)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+      prog="python -m jax_markov bench",
+      description="Time the S-step Markov sampling: jax_markov, the torch "
+      "bridge, the reference Triton design, vLLM's loop and plain JAX, "
+      "against the HBM floor.")
+  p.add_argument("--shapes", default=None,
+                 help="comma-separated of " + ",".join(SHAPES) +
+                 " (default: " + ",".join(common.DEFAULT_SHAPES) + ")")
+  p.add_argument("--batches", default=None,
+                 help="comma-separated batch sizes (default: 1,4,16,64,256)")
+  p.add_argument("--temperatures", default=None,
+                 help="comma-separated temperatures (default: 0,1)")
+  p.add_argument("--impls", default=None,
+                 help="comma-separated of " + ",".join(ALL_IMPLS) +
+                 " (default: all but jax_markov_reference)")
+  p.add_argument("--repeats", type=int, default=None,
+                 help="timed calls per point (default 100; 10 with --quick)")
+  p.add_argument("--group", type=int, default=5,
+                 help="back-to-back calls per timed group (default 5)")
+  p.add_argument("--warmup", type=int, default=3,
+                 help="untimed calls before timing (default 3)")
+  p.add_argument("--out", default=None,
+                 help="results JSON (default: benchmarks/results/<device>.json;"
+                 " <device>-quick.json with --quick)")
+  p.add_argument("--merge", action="store_true",
+                 help="add the new rows to an existing results file (rows of "
+                 "the same impl, shape, batch and temperature are replaced), "
+                 "so a long benchmark can run in parts")
+  p.add_argument("--quick", action="store_true",
+                 help="smoke test: small shape, batches 1,4, few repeats")
+  p.add_argument("--report", dest="report", action="store_true", default=None,
+                 help="write docs/benchmarks.md and .png (default: on, "
+                 "except with --quick)")
+  p.add_argument("--no-report", dest="report", action="store_false")
+  p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"),
+                 help="where the report goes (default: docs/)")
+  # Internal: run one family in this process.
+  p.add_argument("--worker", choices=sorted(set(FAMILIES.values())),
+                 help=argparse.SUPPRESS)
+  p.add_argument("--config", help=argparse.SUPPRESS)
+  p.add_argument("--result", help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv=None) -> int:
+  """Runs the benchmark (see the module docstring); returns the exit status.
+
+  0: all ran and every checked implementation drew the reference tokens at
+  temperature 0; 1: some temperature-0 tokens disagreed (results still
+  written); 2: bad arguments; 3: no family produced any result.
+  """
+  args = _parser().parse_args(argv)
+  if args.worker:
+    return _worker_main(args)
+  return _parent_main(args)
+
+
+# ---------------------------------------------------------------------------
+# The parent: spawns one process per family, merges, writes, reports.
+
+def _parent_main(args) -> int:
+  start = time.time()
+  progress = Progress(start)
+  if args.quick:
+    shapes = common.parse_list(args.shapes, ("small",))
+    batches = common.parse_list(args.batches, (1, 4), int)
+    repeats = args.repeats or 10
+    warmup = min(args.warmup, 2)
+  else:
+    shapes = common.parse_list(args.shapes, common.DEFAULT_SHAPES)
+    batches = common.parse_list(args.batches, common.DEFAULT_BATCHES, int)
+    repeats = args.repeats or 100
+    warmup = args.warmup
+  temps = common.parse_list(args.temperatures, common.DEFAULT_TEMPERATURES,
+                            float)
+  impls = common.parse_list(args.impls, IMPLS)
+  bad = [s for s in shapes if s not in SHAPES] + [i for i in impls
+                                                  if i not in FAMILIES]
+  if bad or not batches or not temps or any(t < 0 for t in temps):
+    print(f"bench: unknown or bad arguments: {bad or (batches, temps)}",
+          file=sys.stderr)
+    return 2
+  families = [f for f in FAMILY_ORDER if any(FAMILIES[i] == f for i in impls)]
+  # The bandwidth comes from the torch process when there is one.
+  bw_family = "torch" if "torch" in families else families[0]
+
+  workdir = tempfile.mkdtemp(prefix="jax_markov_bench_")
+  merged = dict(rows=[], tokens={}, notices=[], mismatches=[], devices={},
+                backends={}, bandwidth_gbs=None)
+  progress(f"shapes {shapes}, batches {batches}, temperatures {temps}, "
+           f"repeats {repeats}; families in order: {families}")
+  for fam in families:
+    cfg = dict(
+        family=fam, shapes=shapes, batches=batches, temperatures=temps,
+        impls=[i for i in impls if FAMILIES[i] == fam], repeats=repeats,
+        group=args.group, warmup=warmup, start_time=start,
+        ref_tokens=merged["tokens"], measure_bandwidth=(fam == bw_family))
+    cfg_path = os.path.join(workdir, f"{fam}.config.json")
+    res_path = os.path.join(workdir, f"{fam}.result.json")
+    common.write_json(cfg_path, cfg)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    if fam == "bridge":
+      # torch and JAX share the GPU: JAX must not grab 75% of it up front.
+      env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    progress(f"starting the {fam} process")
+    rc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--worker", fam,
+         "--config", cfg_path, "--result", res_path], cwd=ROOT, env=env).returncode
+    if rc != 0:
+      merged["notices"].append(f"the {fam} process exited with status {rc}; "
+                               "its rows so far are kept")
+      progress(merged["notices"][-1])
+    if not os.path.exists(res_path):
+      continue
+    with open(res_path) as f:
+      res = json.load(f)
+    merged["rows"] += res["rows"]
+    merged["tokens"].update(res["tokens"])
+    merged["notices"] += [n for n in res["notices"]
+                          if n not in merged["notices"]]
+    merged["mismatches"] += res["mismatches"]
+    merged["devices"][fam] = res.get("device")
+    merged["backends"][fam] = res.get("backend")
+    if res.get("bandwidth_gbs"):
+      merged["bandwidth_gbs"] = res["bandwidth_gbs"]
+
+  if not merged["rows"]:
+    progress("no results: nothing was timed")
+    for n in merged["notices"]:
+      print("  notice: " + n, file=sys.stderr)
+    return 3
+  device = (merged["devices"].get("torch") or merged["devices"].get("jax")
+            or merged["devices"].get("bridge") or "unknown")
+  bw = merged["bandwidth_gbs"]
+  for row in merged["rows"]:
+    row["device"] = device
+    shape = SHAPES[row["shape"]]
+    row["floor_bytes"] = common.floor_bytes(shape, row["batch"])
+    row["copy_bw_gbs"] = bw
+    row["floor_ms"] = (row["floor_bytes"] / (bw * 1e9) * 1e3) if bw else None
+  out = args.out or os.path.join(
+      RESULTS_DIR, common.device_slug(device) + ("-quick" if args.quick else "")
+      + ".json")
+  rows = merged["rows"]
+  if args.merge and os.path.exists(out):
+    with open(out) as f:
+      old = json.load(f)
+    new_keys = {_row_key(r) for r in rows}
+    kept = [r for r in old if _row_key(r) not in new_keys]
+    progress(f"merging with {len(kept)} rows kept from {out}")
+    rows = kept + rows
+  shape_order = {n: k for k, n in enumerate(SHAPES)}
+  order = {n: k for k, n in enumerate(ALL_IMPLS)}
+  rows.sort(key=lambda r: (shape_order.get(r["shape"], 99), r["temperature"],
+                           r["batch"], order.get(r["impl"], 99)))
+  common.write_json(out, rows)
+  progress(f"wrote {len(rows)} rows to {out}")
+
+  from benchmarks import report
+  print(report.text_summary(rows))
+  if bw:
+    print(f"copy bandwidth measured in this run: {bw / 1e3:.2f} TB/s")
+  if "cpu" in merged["backends"].values():
+    print("NOTICE: no GPU here; these are CPU timings of what can run on CPU "
+          "(interpret-mode Pallas, eager torch). GPU timings need a GPU.")
+  for n in merged["notices"]:
+    print("notice: " + n)
+  if args.report if args.report is not None else not args.quick:
+    md, png = report.write_report(out, args.docs_dir)
+    progress(f"wrote {md} and {png}")
+  if merged["mismatches"]:
+    print(f"TOKEN MISMATCH at temperature 0 ({len(merged['mismatches'])}):")
+    for m in merged["mismatches"]:
+      print(f"  {m}")
+    return 1
+  checked = sum(1 for r in merged["rows"] if r.get("tokens_match") is not None)
+  print(f"temperature-0 tokens: all implementations agree ({checked} rows "
+        "checked)")
+  return 0
+
+
+def _row_key(row):
+  return (row["impl"], row["shape"], row["batch"], row["temperature"])
+
+
+# ---------------------------------------------------------------------------
+# The workers.
+
+class _Result:
+  """A worker's results, rewritten to disk after every change."""
+
+  def __init__(self, path, ref_tokens):
+    self.path = path
+    self.data = dict(rows=[], tokens=dict(ref_tokens), notices=[],
+                     mismatches=[], device=None, backend=None,
+                     bandwidth_gbs=None)
+
+  def save(self):
+    common.write_json(self.path, self.data)
+
+  def notice(self, msg, progress):
+    if msg not in self.data["notices"]:
+      self.data["notices"].append(msg)
+      progress("notice: " + msg)
+    self.save()
+
+
+class _Prepared:
+  """One implementation bound to its inputs at one (shape, batch, T).
+
+  calls: zero-argument callables, one per input set, rotated while timing;
+  tokens(): runs the call on input set 0 and returns its tokens as a nested
+  list [B][S]; meta: extra row fields.
+  """
+
+  def __init__(self, calls, tokens, meta=None):
+    self.calls, self.tokens, self.meta = calls, tokens, meta or {}
+
+
+def _worker_main(args) -> int:
+  with open(args.config) as f:
+    cfg = json.load(f)
+  fam = cfg["family"]
+  progress = Progress(cfg["start_time"], prefix=f" [{fam}]")
+  result = _Result(args.result, cfg["ref_tokens"])
+  result.save()
+  try:
+    runner = {"jax": _JaxFamily, "torch": _TorchFamily,
+              "bridge": _BridgeFamily}[fam](cfg, result, progress)
+    if runner.available:
+      _run_family(cfg, runner, result, progress)
+  except Exception:  # noqa: BLE001 -- report, keep the rows so far
+    result.notice(f"{fam} process failed: {traceback.format_exc(limit=8)}",
+                  progress)
+    return 1
+  return 0
+
+
+def _run_family(cfg, runner, result, progress):
+  """Checks and times every (shape, batch, temperature, impl) of a family."""
+  if cfg["measure_bandwidth"]:
+    bw = runner.bandwidth_gbs()
+    result.data["bandwidth_gbs"] = bw
+    progress(f"copy bandwidth {bw / 1e3:.3f} TB/s")
+    result.save()
+  temps = cfg["temperatures"]
+  for shape_name in cfg["shapes"]:
+    shape = SHAPES[shape_name]
+    for batch in cfg["batches"]:
+      n_sets = common.num_input_sets(shape, batch) if runner.is_gpu else 1
+      runner.make_inputs(shape, batch, n_sets)
+      key = f"{shape.name}|{batch}"
+      # 1. The temperature-0 tokens of every impl, before any timing.
+      prepared, match = {}, {}
+      for impl in cfg["impls"]:
+        try:
+          prep = runner.prepare(impl, shape, batch, 0.0)
+        except _Skip as e:
+          result.notice(f"{impl} skipped: {e}", progress)
+          continue
+        if prep is None:
+          continue
+        match[impl] = _check_tokens(result, key, impl, prep.tokens(), progress)
+        if 0.0 in temps:
+          prepared[impl] = prep
+      # 2. Timing.
+      for temp in temps:
+        for impl in cfg["impls"]:
+          if impl not in match:
+            continue
+          prep = prepared.pop(impl, None) if temp == 0.0 else None
+          if prep is None:
+            prep = runner.prepare(impl, shape, batch, temp)
+          ms, groups = runner.time(prep, cfg["repeats"], cfg["group"],
+                                   cfg["warmup"])
+          timed = groups * max(1, min(cfg["group"], cfg["repeats"]))
+          row = dict(impl=impl, shape=shape.name, V=shape.V, R=shape.R,
+                     S=shape.S, dtype=shape.dtype, batch=batch,
+                     temperature=temp, median_ms=ms, floor_ms=None,
+                     device=result.data["device"], tokens_match=match[impl],
+                     n_input_sets=len(prep.calls), repeats=timed,
+                     **prep.meta)
+          result.data["rows"].append(row)
+          result.save()
+          progress(f"{shape.name} B={batch:<3d} T={temp:g} {impl:<24s} "
+                   f"{ms:9.4f} ms")
+          del prep
+          runner.release()
+      runner.release(inputs=True)
+
+
+def _check_tokens(result, key, impl, tokens, progress):
+  """Compares ``tokens`` with the first recorded for ``key``; records them."""
+  ref = result.data["tokens"].get(key)
+  if ref is None:
+    result.data["tokens"][key] = dict(impl=impl, tokens=tokens)
+    result.save()
+    return True
+  diff = sum(a != b for ra, rb in zip(tokens, ref["tokens"])
+             for a, b in zip(ra, rb))
+  if len(tokens) != len(ref["tokens"]):
+    diff = max(diff, 1)
+  if diff:
+    msg = (f"{key}: {impl} differs from {ref['impl']} in {diff} of "
+           f"{len(tokens) * len(tokens[0])} temperature-0 tokens")
+    result.data["mismatches"].append(msg)
+    progress("TOKEN MISMATCH " + msg)
+  result.save()
+  return diff == 0
+
+
+class _Skip(Exception):
+  """An implementation that cannot run here; the message says why."""
+
+
+class _TorchFamily:
+  """reference_triton(_graph) and vllm_loop(_graph); never imports JAX."""
+
+  def __init__(self, cfg, result, progress):
+    import torch
+    self.torch = torch
+    self.available = True
+    self.is_gpu = torch.cuda.is_available()
+    self.device = torch.device("cuda" if self.is_gpu else "cpu")
+    result.data["backend"] = "gpu" if self.is_gpu else "cpu"
+    result.data["device"] = (torch.cuda.get_device_name(self.device)
+                             if self.is_gpu else "cpu")
+    self.result, self.progress = result, progress
+    self.sets = []
+    self.triton_error = None
+    try:
+      from benchmarks.baselines import reference_triton  # noqa: F401
+    except Exception as e:  # noqa: BLE001 -- no triton: skip its impls
+      self.triton_error = f"{type(e).__name__}: {e}"
+    if not self.is_gpu:
+      result.notice("torch sees no GPU: CUDA graphs and compiled Triton "
+                    "kernels are skipped; GPU timings need a GPU", progress)
+
+  def bandwidth_gbs(self) -> float:
+    torch = self.torch
+    if not self.is_gpu:
+      n = 1 << 27
+      src = torch.ones(n, dtype=torch.uint8)
+      dst = torch.empty_like(src)
+      times = []
+      for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+      return 2 * n / min(times) / 1e9
+    n = 1 << 30  # 1 GiB read + 1 GiB written per copy
+    src = torch.ones(n, dtype=torch.uint8, device=self.device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+      dst.copy_(src)
+    ev = [(torch.cuda.Event(enable_timing=True),
+           torch.cuda.Event(enable_timing=True)) for _ in range(20)]
+    for a, b in ev:
+      a.record()
+      dst.copy_(src)
+      b.record()
+    torch.cuda.synchronize()
+    ms = sorted(a.elapsed_time(b) for a, b in ev)[len(ev) // 2]
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n / (ms * 1e-3) / 1e9
+
+  def make_inputs(self, shape, batch, n_sets):
+    torch = self.torch
+    self.sets = []
+    gen = torch.Generator(device=self.device).manual_seed(0)
+    for k in range(n_sets):
+      d = common.torch_inputs(shape, batch, k, self.device)
+      d["uniforms"] = torch.rand((batch, shape.S), generator=gen,
+                                 device=self.device)
+      self.sets.append(d)
+
+  def prepare(self, impl, shape, batch, temp):
+    torch = self.torch
+    graph = impl.endswith("_graph")
+    if graph and not self.is_gpu:
+      raise _Skip("CUDA graphs need a GPU")
+    temperature = torch.full((batch,), temp, dtype=torch.float32,
+                             device=self.device)
+    if impl.startswith("reference_triton"):
+      if self.triton_error:
+        raise _Skip(f"triton is not importable ({self.triton_error})")
+      if not self.is_gpu and os.environ.get("TRITON_INTERPRET") != "1":
+        raise _Skip("the Triton kernels need a GPU (or TRITON_INTERPRET=1)")
+      from benchmarks.baselines.reference_triton import ReferenceTritonSampler
+      samplers = [ReferenceTritonSampler(d["embed"], d["proj"], d["base"],
+                                         d["anchors"], temperature,
+                                         d["uniforms"]) for d in self.sets]
+      meta = dict(block=samplers[0].block, bias_gemm=samplers[0].gemm)
+    else:
+      from benchmarks.baselines.vllm_loop import VllmLoopSampler
+      samplers = [VllmLoopSampler(d["embed"], d["proj"], d["base"],
+                                  d["anchors"], temperature, temp == 0.0)
+                  for d in self.sets]
+      meta = {}
+    if graph:
+      calls = [s.capture().replay for s in samplers]
+    else:
+      calls = [s.run_steps for s in samplers]
+
+    def tokens():
+      calls[0]()
+      return samplers[0].tokens.cpu().tolist()
+    return _Prepared(calls, tokens, meta)
+
+  def time(self, prep, repeats, group, warmup):
+    torch = self.torch
+    calls, n = prep.calls, len(prep.calls)
+    state = dict(k=0)
+
+    def run(count):
+      for _ in range(count):
+        calls[state["k"] % n]()
+        state["k"] += 1
+
+    run(warmup)
+    if not self.is_gpu:
+      def group_ms(count):
+        t0 = time.perf_counter()
+        run(count)
+        return (time.perf_counter() - t0) * 1e3
+      return common.median_of_groups(group_ms, repeats, group)
+    torch.cuda.synchronize()
+    group = max(1, min(group, repeats))
+    events = []
+    for _ in range(max(1, repeats // group)):
+      a = torch.cuda.Event(enable_timing=True)
+      b = torch.cuda.Event(enable_timing=True)
+      a.record()
+      run(group)
+      b.record()
+      events.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) / group
+                             for a, b in events), len(events)
+
+  def release(self, inputs=False):
+    if inputs:
+      self.sets = []
+    if self.is_gpu:
+      self.torch.cuda.synchronize()
+      self.torch.cuda.empty_cache()
+
+
+class _JaxFamily:
+  """jax_markov and plain_jax; never imports torch."""
+
+  def __init__(self, cfg, result, progress):
+    import jax
+    self.jax = jax
+    self.available = True
+    self.is_gpu = jax.default_backend() == "gpu"
+    dev = jax.devices()[0]
+    result.data["backend"] = "gpu" if self.is_gpu else jax.default_backend()
+    result.data["device"] = dev.device_kind if self.is_gpu else "cpu"
+    self.result, self.progress = result, progress
+    self.sets = []
+    self.jm_error = None
+    try:
+      import jax_markov as jm
+      if not hasattr(jm, "sample_draft"):
+        raise ImportError("jax_markov has no sample_draft")
+      self.jm = jm
+    except Exception as e:  # noqa: BLE001 -- report and skip jax_markov
+      self.jm_error = f"{type(e).__name__}: {e}"
+    if not self.is_gpu:
+      result.notice("JAX sees no GPU: jax_markov runs its Pallas kernels in "
+                    "interpret mode; GPU timings need a GPU", progress)
+
+  def bandwidth_gbs(self) -> float:
+    jax = self.jax
+    import jax.numpy as jnp
+    n = (1 << 28) if self.is_gpu else (1 << 25)  # uint32 words
+    x = jnp.ones((n,), jnp.uint32)
+    f = jax.jit(lambda v: v + 1)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(10):
+      t0 = time.perf_counter()
+      f(x).block_until_ready()
+      times.append(time.perf_counter() - t0)
+    return 2 * 4 * n / sorted(times)[len(times) // 2] / 1e9
+
+  def make_inputs(self, shape, batch, n_sets):
+    import numpy as np
+    import jax.numpy as jnp
+    self.sets = [common.jax_inputs(shape, batch, k) for k in range(n_sets)]
+    seeds, positions = common.seeds_and_positions(batch, shape.S)
+    self.positions = jnp.asarray(positions)
+    self.seeds = seeds
+    self.words = None
+    if self.jm_error is None:
+      from jax_markov import rng
+      # Already split on the host once: no host work inside the timed calls.
+      self.words = rng.seed_words(np.asarray(seeds))
+    self.jax.block_until_ready(self.sets)
+
+  def prepare(self, impl, shape, batch, temp):
+    import numpy as np
+    import jax.numpy as jnp
+    temperature = jnp.full((batch,), temp, jnp.float32)
+    if impl.startswith("jax_markov"):
+      if self.jm_error:
+        raise _Skip(f"jax_markov.sample_draft is not available "
+                    f"({self.jm_error})")
+      jm = self.jm
+      kwargs, meta = _jm_kwargs(jm.sample_draft, shape, batch)
+      if impl == "jax_markov_reference":
+        kwargs["method"] = "reference"
+        meta = _jm_kwargs(jm.sample_draft, shape, batch, "reference")[1]
+      heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in self.sets]
+      calls = [
+          (lambda d=d, h=h: jm.sample_draft(d["base"], d["anchors"], h,
+                                            temperature, self.words,
+                                            self.positions, **kwargs))
+          for d, h in zip(self.sets, heads)]
+      tok = lambda out: out.tokens  # noqa: E731
+    else:
+      from benchmarks.baselines import plain_jax
+      key = self.jax.random.PRNGKey(0)
+      calls = [
+          (lambda d=d: plain_jax.sample(d["base"], d["anchors"], d["embed"],
+                                        d["proj"], temperature, key,
+                                        greedy=temp == 0.0))
+          for d in self.sets]
+      tok = lambda out: out[0]  # noqa: E731
+      meta = {}
+
+    def tokens():
+      return np.asarray(tok(calls[0]())).tolist()
+    return _Prepared(calls, tokens, meta)
+
+  def time(self, prep, repeats, group, warmup):
+    jax = self.jax
+    calls, n = prep.calls, len(prep.calls)
+    state = dict(k=0)
+
+    def run(count):
+      out = None
+      for _ in range(count):
+        out = calls[state["k"] % n]()
+        state["k"] += 1
+      jax.block_until_ready(out)
+
+    run(max(1, warmup))
+
+    def group_ms(count):
+      t0 = time.perf_counter()
+      run(count)
+      return (time.perf_counter() - t0) * 1e3
+    return common.median_of_groups(group_ms, repeats, group)
+
+  def release(self, inputs=False):
+    if inputs:
+      self.sets = []
+
+
+def _jm_kwargs(fn, shape, batch, method=None):
+  """Keyword arguments for timing a jax_markov entry point, and row fields.
+
+  ``check_values=False`` where the API has it: the value checks read concrete
+  arguments back to the host (a sync per call), which a serving loop whose
+  inputs are already validated skips. The row records the kernel config.
+  """
+  import inspect
+  kwargs, meta = {}, {}
+  params = inspect.signature(fn).parameters
+  if "check_values" in params:
+    kwargs["check_values"] = False
+    meta["check_values"] = False
+  try:
+    import jax
+    from jax_markov.kernels import tuning
+    cfg = tuning.choose(method, batch, shape.V, shape.R,
+                        interpret=jax.default_backend() != "gpu")
+    meta["config"] = str(cfg)
+    meta["method"] = cfg.method
+  except Exception:  # noqa: BLE001 -- the config is informational
+    pass
+  return kwargs, meta
+
+
+class _SpecDouble:
+  """A stand-in for vLLM's DSparkSpeculator with what the bridge reads.
+
+  The backbone is not timed: ``model.compute_draft_logits`` ignores the
+  hidden states it is given and returns the preallocated base logits
+  [B * S, V] (request-major rows). Every request has its own state row
+  (``sample_idx_mapping[b, s] = b``).
+  """
+
+  def __init__(self, torch, d, temperature, seeds, positions):
+    nn = torch.nn
+    base = d["base"]
+    B, S, V = base.shape
+    dev = base.device
+    R = d["proj"].shape[1]
+    embed = nn.Embedding(d["embed"].shape[0], R, device=dev,
+                         dtype=d["embed"].dtype)
+    proj = nn.Linear(R, V, bias=False, device=dev, dtype=d["proj"].dtype)
+    with torch.no_grad():
+      embed.weight.copy_(d["embed"])
+      proj.weight.copy_(d["proj"])
+    embed.requires_grad_(False)
+    proj.requires_grad_(False)
+    ns = _Namespace
+    base_rows = base.view(B * S, V)
+    self.model = ns(
+        compute_draft_logits=lambda hidden: base_rows,
+        markov_embed=embed, markov_bias=proj,
+        model=ns(markov_head=ns(markov_w1=embed, markov_w2=proj)))
+    self.num_speculative_steps = S
+    self.sample_indices = torch.arange(B * S, dtype=torch.int64, device=dev)
+    self.head_hidden = torch.zeros((B * S, 8), dtype=base.dtype, device=dev)
+    self.input_buffers = ns(input_ids=d["anchors"].to(torch.int32))
+    self._anchor_idx = torch.arange(B, dtype=torch.int64, device=dev)
+    self.sample_idx_mapping = torch.arange(
+        B, dtype=torch.int32, device=dev)[:, None].repeat(1, S)
+    self.temperature = temperature
+    self.seeds = torch.as_tensor(seeds, dtype=torch.int64, device=dev)
+    # A draw is keyed by sample_pos - 1.
+    self.sample_pos = torch.as_tensor(positions, device=dev).to(torch.int64) + 1
+    self.draft_tokens = torch.zeros((B, S), dtype=torch.int64, device=dev)
+    self.draft_logits = ns(values=torch.zeros((B, S, V), dtype=torch.float32,
+                                              device=dev))
+
+
+class _Namespace:
+  def __init__(self, **kw):
+    self.__dict__.update(kw)
+
+
+class _BridgeFamily(_TorchFamily):
+  """torch_bridge end to end from torch tensors (torch and JAX in one process).
+
+  Without a usable torch_bridge.FusedMarkovSampler it times the same path by
+  hand: the torch tensors into JAX through DLPack, jm.sample_draft_into, and
+  the tokens back to torch (the row's ``note`` says so).
+  """
+
+  def __init__(self, cfg, result, progress):
+    super().__init__(cfg, result, progress)
+    self.available = False
+    try:
+      import jax
+      import jax_markov as jm
+      if not hasattr(jm, "sample_draft_into"):
+        raise ImportError("jax_markov has no sample_draft_into")
+    except Exception as e:  # noqa: BLE001
+      result.notice(f"torch_bridge skipped: jax_markov is not usable "
+                    f"({type(e).__name__}: {e})", progress)
+      return
+    self.jax, self.jm = jax, jm
+    self.available = True
+    self.bridge_error = None
+    try:
+      from torch_bridge import FusedMarkovSampler
+      self.FusedMarkovSampler = FusedMarkovSampler
+    except Exception as e:  # noqa: BLE001
+      self.bridge_error = f"{type(e).__name__}: {e}"
+
+  def prepare(self, impl, shape, batch, temp):
+    torch = self.torch
+    temperature = torch.full((batch,), temp, dtype=torch.float32,
+                             device=self.device)
+    seeds, positions = common.seeds_and_positions(batch, shape.S)
+    if self.bridge_error is None:
+      try:
+        return self._prepare_bridge(shape, batch, temperature, seeds,
+                                    positions)
+      except Exception as e:  # noqa: BLE001 -- fall back, say why
+        self.bridge_error = f"{type(e).__name__}: {e}"
+    self.result.notice(
+        "torch_bridge.FusedMarkovSampler not usable "
+        f"({self.bridge_error}); timing the DLPack path by hand instead",
+        self.progress)
+    return self._prepare_dlpack(shape, batch, temperature, seeds, positions)
+
+  def _prepare_bridge(self, shape, batch, temperature, seeds, positions):
+    torch = self.torch
+    dtype = getattr(torch, shape.dtype)
+    specs = [_SpecDouble(torch, d, temperature, seeds, positions)
+             for d in self.sets]
+    samplers = [self.FusedMarkovSampler(batch, shape.V, shape.R, dtype)
+                for _ in specs]
+
+    def make_call(sampler, spec):
+      def call():
+        if not sampler(spec, batch, spec.head_hidden):
+          raise RuntimeError("FusedMarkovSampler returned False")
+      return call
+    calls = [make_call(s, sp) for s, sp in zip(samplers, specs)]
+    calls[0]()  # fails here, not while timing, if the double does not fit
+
+    def tokens():
+      calls[0]()
+      return specs[0].draft_tokens[:batch, :shape.S].cpu().tolist()
+    return _Prepared(calls, tokens, dict(note="torch_bridge.FusedMarkovSampler"
+                                         " with a speculator double"))
+
+  def _prepare_dlpack(self, shape, batch, temperature, seeds, positions):
+    torch, jax, jm = self.torch, self.jax, self.jm
+    from jax_markov import rng
+    import numpy as np
+    words = torch.from_numpy(np.array(rng.seed_words(seeds))).to(self.device)
+    pos_t = torch.as_tensor(positions, device=self.device)
+    idx_map = torch.arange(batch, dtype=torch.int32, device=self.device)[
+        :, None].repeat(1, shape.S)
+    caches = [torch.zeros((batch, shape.S, shape.V), dtype=torch.float32,
+                          device=self.device) for _ in self.sets]
+    out_tokens = torch.zeros((batch, shape.S), dtype=torch.int64,
+                             device=self.device)
+    j = jax.dlpack.from_dlpack
+    kwargs, meta = _jm_kwargs(jm.sample_draft_into, shape, batch)
+    if "donate" in inspect.signature(jm.sample_draft_into).parameters:
+      # A buffer imported through DLPack is torch's: JAX may not donate it.
+      kwargs["donate"] = False
+
+    def make_call(d, cache):
+      def call():
+        head = jm.MarkovHead(j(d["embed"]), j(d["proj"]))
+        toks, _ = jm.sample_draft_into(
+            j(cache), j(d["base"]), j(d["anchors"]), head, j(temperature),
+            j(words), j(idx_map), j(pos_t), **kwargs)
+        out_tokens.copy_(torch.from_dlpack(toks))
+      return call
+    calls = [make_call(d, c) for d, c in zip(self.sets, caches)]
+
+    def tokens():
+      calls[0]()
+      return out_tokens.cpu().tolist()
+    meta["note"] = ("DLPack by hand: jm.sample_draft_into on torch tensors "
+                    "(cache not donated)")
+    return _Prepared(calls, tokens, meta)
+
+  def time(self, prep, repeats, group, warmup):
+    torch = self.torch
+    calls, n = prep.calls, len(prep.calls)
+    state = dict(k=0)
+
+    def run(count):
+      for _ in range(count):
+        calls[state["k"] % n]()
+        state["k"] += 1
+      if self.is_gpu:
+        torch.cuda.synchronize()  # the whole device: JAX's streams too
+
+    run(max(1, warmup))
+
+    def group_ms(count):
+      t0 = time.perf_counter()
+      run(count)
+      return (time.perf_counter() - t0) * 1e3
+    return common.median_of_groups(group_ms, repeats, group)
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,74 @@
+"""The sampler's checks compiled on a GPU (Triton), plus the DeepSeek-V4 shape.
+
+Every test of test_sampler.py is collected here again under the ``gpu`` marker
+(on a GPU, interpret=None compiles the kernels); elsewhere they are skipped.
+Run with ``pytest -m gpu``.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_markov as jm
+from helpers import check_draft, check_sample_draft, make_problem
+from test_sampler import *  # noqa: F401,F403  (re-collected under the gpu mark)
+
+pytestmark = pytest.mark.gpu
+
+DSV4 = dict(V=129280, R=256, S=7)
+
+
+@pytest.mark.parametrize("method", ["reference", "fused"])
+@pytest.mark.parametrize("B", [1, 16])
+def test_deepseek_v4_shape(method, B):
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16, seed=20,
+                      head_scale=0.1,
+                      temperature=np.where(np.arange(B) % 4 == 0, 0.0, 1.0))
+  draft = jm.sample_draft(*args, method=method)
+  assert draft.tokens.shape == (B, 7) and draft.logits.shape == (B, 7, DSV4["V"])
+  check_sample_draft(draft, *args)
+
+
+@pytest.mark.parametrize("method", ["reference", "fused"])
+def test_deepseek_v4_into(method):
+  B, S, V, R, N = 8, DSV4["S"], DSV4["V"], DSV4["R"], 12
+  base, anchor, head, _, _, pos = make_problem(B, S, V, R, seed=21, head_scale=0.1)
+  rng = np.random.default_rng(21)
+  idx_map = np.repeat(rng.permutation(N)[:B, None], S, axis=1).astype(np.int32)
+  idx_map[2] = -1
+  temperature = jnp.asarray(rng.choice([0.0, 1.0], N), jnp.float32)
+  seeds = rng.integers(0, 2**62, N, dtype=np.int64)
+  cache = jnp.asarray(rng.standard_normal((N, S, V)), jnp.float32)
+  before = np.asarray(cache)
+  ptr = cache.unsafe_buffer_pointer()
+  tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
+                                           seeds, jnp.asarray(idx_map), pos,
+                                           method=method)
+  assert new_cache.unsafe_buffer_pointer() == ptr  # donated: updated in place
+  valid = idx_map >= 0
+  rows = np.where(valid, idx_map, 0)
+  out = np.asarray(new_cache)
+  untouched = np.ones((N, S), bool)
+  untouched[rows[valid], np.nonzero(valid)[1]] = False
+  np.testing.assert_array_equal(out[untouched], before[untouched])
+  u = np.asarray(jm.draft_uniforms(seeds[rows].reshape(-1),
+                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
+  check_draft(tokens, out[rows, np.arange(S)[None, :]], base, anchor, head,
+              np.asarray(temperature)[rows], u, rows=valid)
+
+
+def test_methods_agree_at_deepseek_v4_shape():
+  """Both methods draw the same greedy tokens (T = 0 has no rounding in the draw)."""
+  args = make_problem(32, 7, DSV4["V"], DSV4["R"], seed=22, head_scale=0.1,
+                      temperature=np.zeros(32))
+  a = jm.sample_draft(*args, method="reference")
+  b = jm.sample_draft(*args, method="fused")
+  ref = jm.reference.sample_draft(*args)
+  # Greedy chains can only split where two logits tie within float32 rounding
+  # of the bias: check each against its own logits, and count agreement.
+  check_sample_draft(a, *args)
+  check_sample_draft(b, *args)
+  agree = (np.asarray(a.tokens) == np.asarray(b.tokens)).mean()
+  assert agree > 0.9, agree
+  assert (np.asarray(ref[0]) == np.asarray(a.tokens)).mean() > 0.9

@@ -1,0 +1,223 @@
+"""jm.sample_draft / jm.sample_draft_into against the reference and the contract.
+
+On CPU the Pallas kernels run in interpret mode; the same tests run compiled in
+test_gpu.py.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_markov as jm
+from helpers import check_draft, check_sample_draft, make_problem
+
+METHODS = ["reference", "fused"]
+
+
+def _config(method, block_v, rank):
+  block_k = min(64, max(16, 1 << (rank - 1).bit_length()))
+  return jm.KernelConfig(method, 1 if method == "reference" else 16, block_v, block_k)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_dtypes_match_reference(method, dtype):
+  args = make_problem(5, 3, 300, 16, dtype, seed=1)
+  draft = jm.sample_draft(*args, config=_config(method, 128, 16))
+  chex.assert_shape(draft.tokens, (5, 3))
+  chex.assert_type(draft.tokens, jnp.int32)
+  chex.assert_shape(draft.logits, (5, 3, 300))
+  chex.assert_type(draft.logits, jnp.float32)
+  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
+  np.testing.assert_array_equal(draft.tokens, ref_tokens)
+  np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+  check_sample_draft(draft, *args)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("V,block_v", [
+    (300, 128),   # not a multiple of the block
+    (100, 128),   # smaller than a block
+    (1, 16),      # a single token
+    (256, 128),   # an exact multiple
+])
+def test_vocab_edges(method, V, block_v):
+  args = make_problem(4, 2, V, 8, seed=2)
+  draft = jm.sample_draft(*args, config=_config(method, block_v, 8))
+  ref_tokens, _ = jm.reference.sample_draft(*args)
+  np.testing.assert_array_equal(draft.tokens, ref_tokens)
+  check_sample_draft(draft, *args)
+  if V == 1:
+    assert (np.asarray(draft.tokens) == 0).all()
+
+
+@pytest.mark.parametrize("S", [1, 2, 5, 8])
+def test_steps(S):
+  args = make_problem(3, S, 200, 8, seed=3)
+  draft = jm.sample_draft(*args, config=_config("fused", 64, 8))
+  ref_tokens, _ = jm.reference.sample_draft(*args)
+  np.testing.assert_array_equal(draft.tokens, ref_tokens)
+  check_sample_draft(draft, *args)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("R", [1, 3, 64, 256])
+def test_ranks(method, R):
+  args = make_problem(3, 3, 200, R, seed=4)
+  draft = jm.sample_draft(*args, config=_config(method, 128, R))
+  ref_tokens, _ = jm.reference.sample_draft(*args)
+  np.testing.assert_array_equal(draft.tokens, ref_tokens)
+  check_sample_draft(draft, *args)
+
+
+@pytest.mark.parametrize("temperature", [
+    [0.0] * 6, [1e-6] * 6, [1.0] * 6, [1e4] * 6, [0.0, 1e-6, 0.5, 1.0, 7.0, 1e4]])
+def test_temperatures(temperature):
+  args = make_problem(6, 3, 250, 8, seed=5, temperature=temperature)
+  draft = jm.sample_draft(*args, config=_config("fused", 128, 8))
+  ref_tokens, _ = jm.reference.sample_draft(*args)
+  np.testing.assert_array_equal(draft.tokens, ref_tokens)
+  check_sample_draft(draft, *args)
+
+
+def test_tiny_temperature_is_argmax():
+  args = make_problem(4, 3, 200, 8, seed=6, temperature=[1e-6] * 4)
+  greedy = make_problem(4, 3, 200, 8, seed=6, temperature=[0.0] * 4)
+  a = jm.sample_draft(*args)
+  b = jm.sample_draft(*greedy)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_default_config_and_interpret_flag():
+  args = make_problem(2, 2, 70, 4, seed=7)
+  draft = jm.sample_draft(*args)  # interpret=None picks the interpreter on CPU
+  np.testing.assert_array_equal(draft.tokens, jm.reference.sample_draft(*args)[0])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_neg_inf_never_drawn(method):
+  B, S, V = 64, 3, 40
+  base, anchor, head, _, seeds, pos = make_problem(B, S, V, 4, jnp.float32, seed=8)
+  allowed = np.zeros(V, bool)
+  allowed[[3, 17, 18, 39]] = True
+  base = jnp.where(jnp.asarray(allowed), base, -jnp.inf)
+  t = jnp.full((B,), 50.0)  # flat: every allowed token is likely
+  draft = jm.sample_draft(base, anchor, head, t, seeds, pos,
+                          config=_config(method, 16, 4))
+  assert allowed[np.asarray(draft.tokens)].all()
+  check_sample_draft(draft, base, anchor, head, t, seeds, pos)
+
+
+def test_nan_and_all_inf_rows():
+  B, S, V = 4, 2, 50
+  base, anchor, head, _, seeds, pos = make_problem(B, S, V, 4, jnp.float32, seed=9)
+  base = base.at[0].set(-jnp.inf)              # nothing drawable: token 0
+  base = base.at[1].set(jnp.nan)               # all NaN: token 0
+  base = base.at[2, :, :10].set(jnp.nan)       # NaN never drawn
+  t = jnp.array([1.0, 1.0, 1.0, 0.0])
+  for method in METHODS:
+    draft = jm.sample_draft(base, anchor, head, t, seeds, pos,
+                            config=_config(method, 16, 4))
+    tokens = np.asarray(draft.tokens)
+    assert (tokens[0] == 0).all() and (tokens[1] == 0).all()
+    assert (tokens[2] >= 10).all()
+    assert ((tokens >= 0) & (tokens < V)).all()
+    assert np.isnan(np.asarray(draft.logits[1])).all()
+    np.testing.assert_array_equal(tokens, jm.reference.sample_draft(base, anchor, head, t, seeds, pos)[0])
+
+
+def test_plus_inf_logit_is_drawn_greedily():
+  base, anchor, head, _, seeds, pos = make_problem(3, 2, 60, 4, jnp.float32, seed=10)
+  base = base.at[:, :, 41].set(jnp.inf).at[:, :, 45].set(jnp.inf)
+  draft = jm.sample_draft(base, anchor, head, jnp.ones(3), seeds, pos)
+  assert (np.asarray(draft.tokens) == 41).all()
+
+
+def test_independent_of_batch_and_row():
+  args = make_problem(6, 4, 300, 8, seed=11, temperature=[1.0] * 6)
+  base, anchor, head, t, seeds, pos = args
+  full = np.asarray(jm.sample_draft(*args).tokens)
+  perm = np.array([4, 2, 0, 5, 1, 3])
+  permuted = np.asarray(jm.sample_draft(base[perm], anchor[perm], head, t[perm],
+                                        seeds[perm], pos[perm]).tokens)
+  np.testing.assert_array_equal(permuted, full[perm])
+  # Other requests' inputs change; request 0 keeps its own.
+  other = make_problem(6, 4, 300, 8, seed=12, temperature=[1.0] * 6)
+  mixed = (base.at[1:].set(other[0][1:]), anchor.at[1:].set(other[1][1:]), head,
+           t, np.concatenate([seeds[:1], other[4][1:]]), pos.at[1:].set(other[5][1:]))
+  alone = np.asarray(jm.sample_draft(*mixed).tokens)
+  np.testing.assert_array_equal(alone[0], full[0])
+  single = np.asarray(jm.sample_draft(base[:1], anchor[:1], head, t[:1], seeds[:1], pos[:1]).tokens)
+  np.testing.assert_array_equal(single[0], full[0])
+
+
+def test_v_in_larger_than_v():
+  args = make_problem(3, 3, 120, 8, seed=13, v_in=200)
+  draft = jm.sample_draft(*args)
+  np.testing.assert_array_equal(draft.tokens, jm.reference.sample_draft(*args)[0])
+
+
+def _into_problem(seed=14, B=5, S=3, V=200, R=8, N=9):
+  base, anchor, head, _, _, pos = make_problem(B, S, V, R, seed=seed)
+  rng = np.random.default_rng(seed)
+  rows = rng.permutation(N)[:B].astype(np.int32)
+  idx_map = np.repeat(rows[:, None], S, axis=1)
+  idx_map[1, :] = -1                       # a padding request
+  idx_map[3, 2] = -1                       # a padded step
+  temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0], N), jnp.float32)
+  seeds = rng.integers(-2**63, 2**63 - 1, N, dtype=np.int64)
+  cache = jnp.asarray(rng.standard_normal((N, S, V)), jnp.float32)
+  return cache, base, anchor, head, temperature, seeds, jnp.asarray(idx_map), pos
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_into_matches_reference_and_leaves_other_rows(method):
+  cache, base, anchor, head, temperature, seeds, idx_map, pos = _into_problem()
+  before = np.asarray(cache)
+  ref_tokens, ref_cache = jm.reference.sample_draft_into(
+      cache, base, anchor, head, temperature, seeds, idx_map, pos)
+  tokens, new_cache = jm.sample_draft_into(
+      cache, base, anchor, head, temperature, seeds, idx_map, pos,
+      config=_config(method, 64, 8), donate=False)
+  chex.assert_shape(tokens, (5, 3))
+  chex.assert_type(tokens, jnp.int32)
+  chex.assert_type(new_cache, jnp.float32)
+  valid = np.asarray(idx_map) >= 0
+  np.testing.assert_array_equal(np.asarray(tokens)[valid], np.asarray(ref_tokens)[valid])
+  np.testing.assert_allclose(new_cache, ref_cache, rtol=2e-6, atol=2e-5)
+  written = np.zeros(before.shape[:2], bool)
+  for b, s in zip(*np.nonzero(valid)):
+    written[idx_map[b, s], s] = True
+  np.testing.assert_array_equal(np.asarray(new_cache)[~written], before[~written])
+  assert ((np.asarray(tokens) >= 0) & (np.asarray(tokens) < 200)).all()
+  # Teacher-forced contract check on the draws that are not padding.
+  rows = np.where(valid, np.asarray(idx_map), 0)
+  u = np.asarray(jm.draft_uniforms(np.asarray(seeds)[rows].reshape(-1),
+                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
+  t = np.asarray(temperature)[rows]
+  logits = np.asarray(new_cache)[rows, np.arange(3)[None, :]]
+  check_draft(tokens, logits, base, anchor, head, t, u, rows=valid)
+
+
+def test_into_equals_dense_with_gathered_state():
+  cache, base, anchor, head, temperature, seeds, idx_map, pos = _into_problem(seed=15)
+  idx_map = jnp.asarray(np.repeat(np.array([2, 0, 7, 4, 5])[:, None], 3, axis=1))
+  tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
+                                           seeds, idx_map, pos, donate=False)
+  rows = np.asarray(idx_map[:, 0])
+  dense = jm.sample_draft(base, anchor, head, temperature[rows], seeds[rows], pos)
+  np.testing.assert_array_equal(tokens, dense.tokens)
+  np.testing.assert_array_equal(np.asarray(new_cache)[rows], dense.logits)
+
+
+def test_into_donation_updates_in_place():
+  cache, *rest = _into_problem(seed=16)
+  ptr = cache.unsafe_buffer_pointer()
+  tokens, new_cache = jm.sample_draft_into(cache, *rest)
+  assert cache.is_deleted()
+  if jax.default_backend() != "cpu":  # the CPU client may copy donated buffers
+    assert new_cache.unsafe_buffer_pointer() == ptr
+  tokens2, newer = jm.sample_draft_into(new_cache, *rest)
+  np.testing.assert_array_equal(tokens, tokens2)
