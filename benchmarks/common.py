@@ -1,4 +1,4 @@
-"""Shared pieces of the benchmark: shapes, synthetic inputs, the HBM floor, timing.
+"""Shared pieces of the benchmark: shapes, synthetic inputs, HBM floor, timing.
 
 Nothing here imports torch or JAX at module level: the torch processes must not
 initialise JAX and the JAX processes must not initialise torch.
@@ -108,9 +108,12 @@ def floor_bytes(shape: Shape, batch: int) -> int:
 
 
 def input_set_bytes(shape: Shape, batch: int) -> int:
-  """Bytes of one set of inputs and outputs (weights, base, cache)."""
+  """Distinct bytes one draft streams: proj, base logits and the cache.
+
+  The embedding table is left out: a draft touches only B * S of its rows.
+  """
   isz = ITEMSIZE[shape.dtype]
-  return (2 * shape.V * shape.R * isz + batch * shape.S * shape.V * isz
+  return (shape.V * shape.R * isz + batch * shape.S * shape.V * isz
           + batch * shape.S * shape.V * 4)
 
 
@@ -267,13 +270,15 @@ def torch_inputs(shape: Shape, batch: int, set_index: int, device):
   for b0 in range(0, batch, chunk):
     b1 = min(batch, b0 + chunk)
     n = base_numerators(idx(b0 * row, (b1 - b0) * row), off)
-    base[b0:b1] = (n.to(torch.float32) * BASE_SCALE).view(b1 - b0, S, V).to(dtype)
+    values = (n.to(torch.float32) * BASE_SCALE).view(b1 - b0, S, V)
+    base[b0:b1] = values.to(dtype)
   embed = ternary(idx(0, V * R), stream_offset(STREAM_EMBED, set_index))
   embed = embed.to(torch.float32).view(V, R).to(dtype)
   proj = ternary(idx(0, V * R), stream_offset(STREAM_PROJ, set_index))
   proj = (proj.to(torch.float32) * PROJ_SCALE).view(V, R).to(dtype)
   anchors = token_ids(idx(0, batch), stream_offset(STREAM_ANCHOR, set_index), V)
-  return dict(base=base, embed=embed, proj=proj, anchors=anchors.to(torch.int64))
+  return dict(base=base, embed=embed, proj=proj,
+              anchors=anchors.to(torch.int64))
 
 
 _JAX_GEN_CACHE = {}
@@ -306,8 +311,8 @@ def jax_inputs(shape: Shape, batch: int, set_index: int):
       anchors = token_ids(jnp.arange(batch, dtype=jnp.int32), offsets[3], V)
       return base, embed.reshape(V, R), proj.reshape(V, R), anchors
     _JAX_GEN_CACHE[key] = gen
-  offsets = jnp.asarray([stream_offset(s, set_index) for s in
-                         (STREAM_BASE, STREAM_EMBED, STREAM_PROJ, STREAM_ANCHOR)],
+  streams = (STREAM_BASE, STREAM_EMBED, STREAM_PROJ, STREAM_ANCHOR)
+  offsets = jnp.asarray([stream_offset(s, set_index) for s in streams],
                         dtype=jnp.int32)
   base, embed, proj, anchors = _JAX_GEN_CACHE[key](offsets)
   return dict(base=base, embed=embed, proj=proj, anchors=anchors)

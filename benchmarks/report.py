@@ -1,4 +1,4 @@
-"""The benchmark report: docs/benchmarks.md and docs/benchmarks.png from the JSON.
+"""The benchmark report: docs/benchmarks.md and .png from the results JSON.
 
 Usage: ``python -m benchmarks.report benchmarks/results/<device>.json
 [--docs-dir docs]`` (``python -m jax_markov bench`` calls it after a full run).
@@ -122,15 +122,16 @@ def text_summary(rows) -> str:
   for shape, temp, sub in _groups(rows):
     impls = _impls(sub)
     out.append(f"{_shape_title(shape, sub)}, T={temp:g}: median ms")
-    out.append(f"{'B':>5} {'floor':>8} " + " ".join(f"{i[:14]:>14}"
-                                                   for i in impls))
+    widths = [max(10, len(i)) for i in impls]
+    out.append(f"{'B':>5} {'floor':>8} " + " ".join(
+        f"{i:>{w}}" for i, w in zip(impls, widths)))
     cell = {(r["batch"], r["impl"]): r for r in sub}
     for b in sorted({r["batch"] for r in sub}):
       floor = next(r for r in sub if r["batch"] == b).get("floor_ms")
       vals = []
-      for i in impls:
+      for i, w in zip(impls, widths):
         r = cell.get((b, i))
-        vals.append(f"{r['median_ms']:>14.4f}" if r else " " * 14)
+        vals.append(f"{r['median_ms']:>{w}.4f}" if r else " " * w)
       floor_txt = f"{floor:8.4f}" if floor else f"{'n/a':>8}"
       out.append(f"{b:>5} {floor_txt} " + " ".join(vals))
     out.append("")
@@ -153,7 +154,8 @@ def plot(rows, png_path) -> None:
       shapes.append(s)
   fig, axes = plt.subplots(len(shapes), len(temps), squeeze=False,
                            figsize=(5.2 * len(temps), 3.6 * len(shapes)))
-  colors = dict(zip(ALL_IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+  cycle = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  colors = dict(zip(ALL_IMPLS, cycle))
   handles = {}
   for shape, temp, sub in groups:
     ax = axes[shapes.index(shape)][temps.index(temp)]

@@ -52,6 +52,10 @@ from benchmarks.common import (ALL_IMPLS, FAMILIES, FAMILY_ORDER, IMPLS,
                                SHAPES, Progress)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Without a GPU (interpret-mode Pallas, eager torch on CPU) larger shapes
+# would take hours: they are skipped with a notice.
+CPU_MAX_VOCAB = 32000
+CPU_MAX_BATCH = 16
 RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 
 
@@ -84,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="add the new rows to an existing results file (rows of "
                  "the same impl, shape, batch and temperature are replaced), "
                  "so a long benchmark can run in parts")
+  p.add_argument("--budget-s", type=float, default=None,
+                 help="wall-clock budget in seconds: no new (shape, batch) or "
+                 "process starts after it; what ran is written")
   p.add_argument("--quick", action="store_true",
                  help="smoke test: small shape, batches 1,4, few repeats")
   p.add_argument("--report", dest="report", action="store_true", default=None,
@@ -119,75 +126,97 @@ def main(argv=None) -> int:
 def _parent_main(args) -> int:
   start = time.time()
   progress = Progress(start)
-  if args.quick:
-    shapes = common.parse_list(args.shapes, ("small",))
-    batches = common.parse_list(args.batches, (1, 4), int)
-    repeats = args.repeats or 10
-    warmup = min(args.warmup, 2)
-  else:
-    shapes = common.parse_list(args.shapes, common.DEFAULT_SHAPES)
-    batches = common.parse_list(args.batches, common.DEFAULT_BATCHES, int)
-    repeats = args.repeats or 100
-    warmup = args.warmup
-  temps = common.parse_list(args.temperatures, common.DEFAULT_TEMPERATURES,
-                            float)
+  quick = args.quick
+  plan = dict(
+      shapes=common.parse_list(args.shapes, ("small",) if quick
+                               else common.DEFAULT_SHAPES),
+      batches=common.parse_list(args.batches, (1, 4) if quick
+                                else common.DEFAULT_BATCHES, int),
+      temperatures=common.parse_list(args.temperatures,
+                                     common.DEFAULT_TEMPERATURES, float),
+      repeats=args.repeats or (10 if quick else 100),
+      warmup=min(args.warmup, 2) if quick else args.warmup,
+      group=args.group, start_time=start,
+      deadline=start + args.budget_s if args.budget_s else None)
   impls = common.parse_list(args.impls, IMPLS)
-  bad = [s for s in shapes if s not in SHAPES] + [i for i in impls
-                                                  if i not in FAMILIES]
-  if bad or not batches or not temps or any(t < 0 for t in temps):
-    print(f"bench: unknown or bad arguments: {bad or (batches, temps)}",
-          file=sys.stderr)
+  bad = ([s for s in plan["shapes"] if s not in SHAPES]
+         + [i for i in impls if i not in FAMILIES])
+  if (bad or not plan["batches"] or not plan["temperatures"]
+      or any(t < 0 for t in plan["temperatures"])
+      or any(b < 1 for b in plan["batches"])):
+    print(f"bench: unknown or bad arguments: "
+          f"{bad or (plan['batches'], plan['temperatures'])}", file=sys.stderr)
     return 2
   families = [f for f in FAMILY_ORDER if any(FAMILIES[i] == f for i in impls)]
   # The bandwidth comes from the torch process when there is one.
   bw_family = "torch" if "torch" in families else families[0]
+  merged = dict(rows=[], tokens={}, notices=[], mismatches=[],
+                sampled_mismatches=[], uniforms={}, devices={}, backends={},
+                bandwidth_gbs=None)
+  progress(f"shapes {plan['shapes']}, batches {plan['batches']}, "
+           f"temperatures {plan['temperatures']}, repeats {plan['repeats']}; "
+           f"families in order: {families}")
+  with tempfile.TemporaryDirectory(prefix="jax_markov_bench_") as workdir:
+    for fam in families:
+      if plan["deadline"] and time.time() > plan["deadline"]:
+        merged["notices"].append(f"time budget reached: the {fam} process "
+                                 "was not started")
+        progress(merged["notices"][-1])
+        continue
+      cfg = dict(plan, family=fam,
+                 impls=[i for i in impls if FAMILIES[i] == fam],
+                 ref_tokens=merged["tokens"], uniforms=merged["uniforms"],
+                 measure_bandwidth=(fam == bw_family))
+      res = _run_worker(fam, cfg, workdir, progress, merged["notices"])
+      if res is None:
+        continue
+      merged["rows"] += res["rows"]
+      merged["tokens"].update(res["tokens"])
+      merged["uniforms"].update(res["uniforms"])
+      merged["notices"] += [n for n in res["notices"]
+                            if n not in merged["notices"]]
+      merged["mismatches"] += res["mismatches"]
+      merged["sampled_mismatches"] += res["sampled_mismatches"]
+      merged["devices"][fam] = res.get("device")
+      merged["backends"][fam] = res.get("backend")
+      if res.get("bandwidth_gbs"):
+        merged["bandwidth_gbs"] = res["bandwidth_gbs"]
+      if merged["rows"]:  # what ran so far survives a later crash or kill
+        _write_rows(args, merged, progress)
+  return _finish(args, merged, progress)
 
-  workdir = tempfile.mkdtemp(prefix="jax_markov_bench_")
-  merged = dict(rows=[], tokens={}, notices=[], mismatches=[], devices={},
-                backends={}, bandwidth_gbs=None)
-  progress(f"shapes {shapes}, batches {batches}, temperatures {temps}, "
-           f"repeats {repeats}; families in order: {families}")
-  for fam in families:
-    cfg = dict(
-        family=fam, shapes=shapes, batches=batches, temperatures=temps,
-        impls=[i for i in impls if FAMILIES[i] == fam], repeats=repeats,
-        group=args.group, warmup=warmup, start_time=start,
-        ref_tokens=merged["tokens"], measure_bandwidth=(fam == bw_family))
-    cfg_path = os.path.join(workdir, f"{fam}.config.json")
-    res_path = os.path.join(workdir, f"{fam}.result.json")
-    common.write_json(cfg_path, cfg)
-    env = dict(os.environ)
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    if fam == "bridge":
-      # torch and JAX share the GPU: JAX must not grab 75% of it up front.
-      env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-    progress(f"starting the {fam} process")
-    rc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--worker", fam,
-         "--config", cfg_path, "--result", res_path], cwd=ROOT, env=env).returncode
-    if rc != 0:
-      merged["notices"].append(f"the {fam} process exited with status {rc}; "
-                               "its rows so far are kept")
-      progress(merged["notices"][-1])
-    if not os.path.exists(res_path):
-      continue
-    with open(res_path) as f:
-      res = json.load(f)
-    merged["rows"] += res["rows"]
-    merged["tokens"].update(res["tokens"])
-    merged["notices"] += [n for n in res["notices"]
-                          if n not in merged["notices"]]
-    merged["mismatches"] += res["mismatches"]
-    merged["devices"][fam] = res.get("device")
-    merged["backends"][fam] = res.get("backend")
-    if res.get("bandwidth_gbs"):
-      merged["bandwidth_gbs"] = res["bandwidth_gbs"]
 
-  if not merged["rows"]:
-    progress("no results: nothing was timed")
-    for n in merged["notices"]:
-      print("  notice: " + n, file=sys.stderr)
-    return 3
+def _run_worker(fam, cfg, workdir, progress, notices):
+  """Runs one family's process; returns its result dict (None if it wrote
+  none). Rows written before a crash are kept."""
+  cfg_path = os.path.join(workdir, f"{fam}.config.json")
+  res_path = os.path.join(workdir, f"{fam}.result.json")
+  common.write_json(cfg_path, cfg)
+  env = dict(os.environ)
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  if fam == "bridge":
+    # torch and JAX share the GPU: JAX must not grab 75% of it up front.
+    env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+  progress(f"starting the {fam} process")
+  rc = subprocess.run(
+      [sys.executable, "-m", "benchmarks.run", "--worker", fam,
+       "--config", cfg_path, "--result", res_path],
+      cwd=ROOT, env=env).returncode
+  if rc != 0:
+    notices.append(f"the {fam} process exited with status {rc}; its rows so "
+                   "far are kept")
+    progress(notices[-1])
+  if not os.path.exists(res_path):
+    return None
+  with open(res_path) as f:
+    return json.load(f)
+
+
+def _write_rows(args, merged, progress):
+  """Completes the rows (device, floor) and writes the results file.
+
+  Returns (path, rows written).
+  """
   device = (merged["devices"].get("torch") or merged["devices"].get("jax")
             or merged["devices"].get("bridge") or "unknown")
   bw = merged["bandwidth_gbs"]
@@ -214,6 +243,18 @@ def _parent_main(args) -> int:
                            r["batch"], order.get(r["impl"], 99)))
   common.write_json(out, rows)
   progress(f"wrote {len(rows)} rows to {out}")
+  return out, rows
+
+
+def _finish(args, merged, progress) -> int:
+  """Writes the merged rows (and the report); returns the exit status."""
+  if not merged["rows"]:
+    progress("no results: nothing was timed")
+    for n in merged["notices"]:
+      print("  notice: " + n, file=sys.stderr)
+    return 3
+  out, rows = _write_rows(args, merged, progress)
+  bw = merged["bandwidth_gbs"]
 
   from benchmarks import report
   print(report.text_summary(rows))
@@ -224,9 +265,13 @@ def _parent_main(args) -> int:
           "(interpret-mode Pallas, eager torch). GPU timings need a GPU.")
   for n in merged["notices"]:
     print("notice: " + n)
-  if args.report if args.report is not None else not args.quick:
+  on_cpu = "cpu" in merged["backends"].values()
+  # By default only a full GPU run rewrites docs/benchmarks.md.
+  if args.report if args.report is not None else not (args.quick or on_cpu):
     md, png = report.write_report(out, args.docs_dir)
     progress(f"wrote {md} and {png}")
+  for m in merged["sampled_mismatches"]:
+    print(f"note: sampled tokens (same uniforms) differ: {m}")
   if merged["mismatches"]:
     print(f"TOKEN MISMATCH at temperature 0 ({len(merged['mismatches'])}):")
     for m in merged["mismatches"]:
@@ -251,8 +296,8 @@ class _Result:
   def __init__(self, path, ref_tokens):
     self.path = path
     self.data = dict(rows=[], tokens=dict(ref_tokens), notices=[],
-                     mismatches=[], device=None, backend=None,
-                     bandwidth_gbs=None)
+                     mismatches=[], sampled_mismatches=[], uniforms={},
+                     device=None, backend=None, bandwidth_gbs=None)
 
   def save(self):
     common.write_json(self.path, self.data)
@@ -305,7 +350,19 @@ def _run_family(cfg, runner, result, progress):
   temps = cfg["temperatures"]
   for shape_name in cfg["shapes"]:
     shape = SHAPES[shape_name]
+    if not runner.is_gpu and shape.V > CPU_MAX_VOCAB:
+      result.notice(f"shape {shape.name} skipped: no GPU, and on CPU only "
+                    f"shapes with V <= {CPU_MAX_VOCAB} run", progress)
+      continue
     for batch in cfg["batches"]:
+      if cfg["deadline"] and time.time() > cfg["deadline"]:
+        result.notice("time budget reached: the remaining shapes and "
+                      "batches were not run", progress)
+        return
+      if not runner.is_gpu and batch > CPU_MAX_BATCH:
+        result.notice(f"B={batch} skipped: no GPU, and on CPU only B <= "
+                      f"{CPU_MAX_BATCH} runs", progress)
+        continue
       n_sets = common.num_input_sets(shape, batch) if runner.is_gpu else 1
       runner.make_inputs(shape, batch, n_sets)
       key = f"{shape.name}|{batch}"
@@ -314,12 +371,14 @@ def _run_family(cfg, runner, result, progress):
       for impl in cfg["impls"]:
         try:
           prep = runner.prepare(impl, shape, batch, 0.0)
+          tokens = prep.tokens()
         except _Skip as e:
           result.notice(f"{impl} skipped: {e}", progress)
           continue
-        if prep is None:
+        except Exception:  # noqa: BLE001 -- one impl failing is reported
+          _failed(result, progress, impl, key, 0.0)
           continue
-        match[impl] = _check_tokens(result, key, impl, prep.tokens(), progress)
+        match[impl] = _check_tokens(result, key, impl, tokens, progress)
         if 0.0 in temps:
           prepared[impl] = prep
       # 2. Timing.
@@ -328,15 +387,30 @@ def _run_family(cfg, runner, result, progress):
           if impl not in match:
             continue
           prep = prepared.pop(impl, None) if temp == 0.0 else None
-          if prep is None:
-            prep = runner.prepare(impl, shape, batch, temp)
-          ms, groups = runner.time(prep, cfg["repeats"], cfg["group"],
-                                   cfg["warmup"])
+          try:
+            if prep is None:
+              prep = runner.prepare(impl, shape, batch, temp)
+            sampled = None
+            if temp > 0 and runner.same_rng(impl, key):
+              # Same RNG contract (uniforms from seeds and positions): the
+              # sampled tokens are comparable too; a difference is reported,
+              # not fatal (float32 rounding of the CDF may differ at a
+              # boundary).
+              sampled = _check_tokens(result, f"{key}|T={temp:g}", impl,
+                                      prep.tokens(), progress, hard=False)
+            ms, groups = runner.time(prep, cfg["repeats"], cfg["group"],
+                                     cfg["warmup"])
+          except Exception:  # noqa: BLE001 -- one impl failing is reported
+            _failed(result, progress, impl, key, temp)
+            prep = None
+            runner.release()
+            continue
           timed = groups * max(1, min(cfg["group"], cfg["repeats"]))
           row = dict(impl=impl, shape=shape.name, V=shape.V, R=shape.R,
                      S=shape.S, dtype=shape.dtype, batch=batch,
                      temperature=temp, median_ms=ms, floor_ms=None,
                      device=result.data["device"], tokens_match=match[impl],
+                     sampled_match=sampled,
                      n_input_sets=len(prep.calls), repeats=timed,
                      **prep.meta)
           result.data["rows"].append(row)
@@ -348,8 +422,25 @@ def _run_family(cfg, runner, result, progress):
       runner.release(inputs=True)
 
 
-def _check_tokens(result, key, impl, tokens, progress):
-  """Compares ``tokens`` with the first recorded for ``key``; records them."""
+def _failed(result, progress, impl, key, temp):
+  """Records that ``impl`` raised at (key, temp); the run goes on."""
+  result.notice(f"{impl} failed at {key} T={temp:g}: "
+                f"{traceback.format_exc(limit=6)}", progress)
+
+
+def _check_tokens(result, key, impl, tokens, progress, hard=True):
+  """Compares ``tokens`` with the first recorded for ``key``; records them.
+
+  Args:
+    result: the worker's results (holds the tokens recorded so far).
+    key: what was drawn ("shape|batch", "|T=..." for sampled draws).
+    impl: the implementation that drew ``tokens`` (nested list [B][S]).
+    progress: the progress printer.
+    hard: a difference is a failure (temperature 0) rather than a note.
+
+  Returns:
+    True when the tokens equal the first recorded (or are the first).
+  """
   ref = result.data["tokens"].get(key)
   if ref is None:
     result.data["tokens"][key] = dict(impl=impl, tokens=tokens)
@@ -360,10 +451,11 @@ def _check_tokens(result, key, impl, tokens, progress):
   if len(tokens) != len(ref["tokens"]):
     diff = max(diff, 1)
   if diff:
+    what = "temperature-0" if hard else "sampled"
     msg = (f"{key}: {impl} differs from {ref['impl']} in {diff} of "
-           f"{len(tokens) * len(tokens[0])} temperature-0 tokens")
-    result.data["mismatches"].append(msg)
-    progress("TOKEN MISMATCH " + msg)
+           f"{len(tokens) * len(tokens[0])} {what} tokens")
+    result.data["mismatches" if hard else "sampled_mismatches"].append(msg)
+    progress(("TOKEN MISMATCH " if hard else "note: ") + msg)
   result.save()
   return diff == 0
 
@@ -385,6 +477,7 @@ class _TorchFamily:
     result.data["device"] = (torch.cuda.get_device_name(self.device)
                              if self.is_gpu else "cpu")
     self.result, self.progress = result, progress
+    self.uniforms = cfg["uniforms"]
     self.sets = []
     self.triton_error = None
     try:
@@ -428,11 +521,21 @@ class _TorchFamily:
     torch = self.torch
     self.sets = []
     gen = torch.Generator(device=self.device).manual_seed(0)
+    # jax_markov's uniforms when its process recorded them (the reference
+    # design then draws the same tokens), else any uniforms: the time of a
+    # draw does not depend on them.
+    u = self.uniforms.get(f"{shape.name}|{batch}")
     for k in range(n_sets):
       d = common.torch_inputs(shape, batch, k, self.device)
-      d["uniforms"] = torch.rand((batch, shape.S), generator=gen,
-                                 device=self.device)
+      d["uniforms"] = (
+          torch.tensor(u, dtype=torch.float32, device=self.device)
+          if u is not None else torch.rand((batch, shape.S), generator=gen,
+                                           device=self.device))
       self.sets.append(d)
+
+  def same_rng(self, impl, key):
+    """Whether ``impl`` draws with jax_markov's uniforms for ``key``."""
+    return impl.startswith("reference_triton") and key in self.uniforms
 
   def prepare(self, impl, shape, batch, temp):
     torch = self.torch
@@ -557,7 +660,14 @@ class _JaxFamily:
       from jax_markov import rng
       # Already split on the host once: no host work inside the timed calls.
       self.words = rng.seed_words(np.asarray(seeds))
+      self.result.data["uniforms"][f"{shape.name}|{batch}"] = np.asarray(
+          rng.uniforms_from_words(self.words, self.positions)).tolist()
     self.jax.block_until_ready(self.sets)
+
+  def same_rng(self, impl, key):
+    """Whether ``impl`` follows the RNG contract (jax_markov's uniforms)."""
+    del key
+    return impl.startswith("jax_markov")
 
   def prepare(self, impl, shape, batch, temp):
     import numpy as np
@@ -647,10 +757,11 @@ def _jm_kwargs(fn, shape, batch, method=None):
 class _SpecDouble:
   """A stand-in for vLLM's DSparkSpeculator with what the bridge reads.
 
-  The backbone is not timed: ``model.compute_draft_logits`` ignores the
+  Laid out as vLLM lays it out (flat request-major ``sample_*`` buffers of
+  length M * S with M = max_num_reqs = B; one state row per request). The
+  backbone is not timed: ``model.compute_draft_logits`` ignores the (tiny)
   hidden states it is given and returns the preallocated base logits
-  [B * S, V] (request-major rows). Every request has its own state row
-  (``sample_idx_mapping[b, s] = b``).
+  [B * S, V].
   """
 
   def __init__(self, torch, d, temperature, seeds, positions):
@@ -671,19 +782,23 @@ class _SpecDouble:
     base_rows = base.view(B * S, V)
     self.model = ns(
         compute_draft_logits=lambda hidden: base_rows,
-        markov_embed=embed, markov_bias=proj,
+        markov_embed=embed, markov_bias=proj, draft_id_to_target_id=None,
         model=ns(markov_head=ns(markov_w1=embed, markov_w2=proj)))
     self.num_speculative_steps = S
     self.sample_indices = torch.arange(B * S, dtype=torch.int64, device=dev)
     self.head_hidden = torch.zeros((B * S, 8), dtype=base.dtype, device=dev)
-    self.input_buffers = ns(input_ids=d["anchors"].to(torch.int32))
-    self._anchor_idx = torch.arange(B, dtype=torch.int64, device=dev)
+    # The anchor of request b is the first token of its query block.
+    self._anchor_idx = torch.arange(B, dtype=torch.int64, device=dev) * S
+    input_ids = torch.zeros(B * S + 4, dtype=torch.int32, device=dev)
+    input_ids[self._anchor_idx] = d["anchors"].to(torch.int32)
+    self.input_buffers = ns(input_ids=input_ids)
     self.sample_idx_mapping = torch.arange(
-        B, dtype=torch.int32, device=dev)[:, None].repeat(1, S)
+        B, dtype=torch.int32, device=dev).repeat_interleave(S)
     self.temperature = temperature
     self.seeds = torch.as_tensor(seeds, dtype=torch.int64, device=dev)
-    # A draw is keyed by sample_pos - 1.
-    self.sample_pos = torch.as_tensor(positions, device=dev).to(torch.int64) + 1
+    # The predicted token's position; a draw is keyed by sample_pos - 1.
+    self.sample_pos = (torch.as_tensor(positions, device=dev).to(torch.int64)
+                       + 1).reshape(B * S)
     self.draft_tokens = torch.zeros((B, S), dtype=torch.int64, device=dev)
     self.draft_logits = ns(values=torch.zeros((B, S, V), dtype=torch.float32,
                                               device=dev))
@@ -722,6 +837,11 @@ class _BridgeFamily(_TorchFamily):
       self.FusedMarkovSampler = FusedMarkovSampler
     except Exception as e:  # noqa: BLE001
       self.bridge_error = f"{type(e).__name__}: {e}"
+
+  def same_rng(self, impl, key):
+    """The bridge keys its draws by seeds and positions, as jax_markov."""
+    del impl, key
+    return True
 
   def prepare(self, impl, shape, batch, temp):
     torch = self.torch

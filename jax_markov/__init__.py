@@ -13,14 +13,14 @@ Public API::
     jm.reference  # the same sampler in plain jnp: the executable spec
 """
 
-from jax_markov import reference
+from jax_markov import reference, rng
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels.tuning import KernelConfig
 from jax_markov.rng import draft_uniforms
 from jax_markov.sampler import sample_draft, sample_draft_into
 
 __all__ = [
-    "Draft", "KernelConfig", "MarkovHead", "draft_uniforms", "reference",
+    "Draft", "KernelConfig", "MarkovHead", "draft_uniforms", "reference", "rng",
     "sample_draft", "sample_draft_into",
 ]
 __version__ = "0.1.0"

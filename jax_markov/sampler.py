@@ -19,6 +19,11 @@ from jax_markov.kernels.block_pass import block_pass
 from jax_markov.kernels.select_pass import select_pass
 
 
+def _as_array(x) -> jax.Array:
+  # jnp.asarray on a jax.Array still costs tens of microseconds per call.
+  return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
 def _interpret_default(interpret: bool | None) -> bool:
   return jax.default_backend() != "gpu" if interpret is None else interpret
 
@@ -78,7 +83,8 @@ def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
     return (cache, emb), tokens
 
   (cache, _), tokens = jax.lax.scan(body, (cache, emb),
-                                    jnp.arange(start, S, dtype=jnp.int32))
+                                    jnp.arange(start, S, dtype=jnp.int32),
+                                    unroll=config.unroll)
   return jnp.concatenate(first + [tokens.T], axis=1), cache
 
 
@@ -183,9 +189,9 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
   validate.check_seed_words(words, B, "B")
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
-  return _sample_draft(jnp.asarray(base_logits), jnp.asarray(anchor_tokens),
-                       head, jnp.asarray(temperature), words,
-                       jnp.asarray(positions), config=config,
+  return _sample_draft(_as_array(base_logits), _as_array(anchor_tokens),
+                       head, _as_array(temperature), words,
+                       _as_array(positions), config=config,
                        interpret=interpret)
 
 
@@ -225,7 +231,7 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
   fn = _sample_draft_into_donated if donate else _sample_draft_into
-  return fn(jnp.asarray(cache), jnp.asarray(base_logits),
-            jnp.asarray(anchor_tokens), head, jnp.asarray(temperature), words,
-            jnp.asarray(idx_map), jnp.asarray(positions), config=config,
+  return fn(_as_array(cache), _as_array(base_logits),
+            _as_array(anchor_tokens), head, _as_array(temperature), words,
+            _as_array(idx_map), _as_array(positions), config=config,
             interpret=interpret)

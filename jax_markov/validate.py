@@ -11,13 +11,16 @@ anchor is clamped by the gather and every token is clamped into [0, V).
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 
 def _shape(x):
-  return tuple(np.shape(x))
+  shape = getattr(x, "shape", None)
+  return tuple(shape) if shape is not None else np.shape(x)
 
 
 def _dtype(x):
@@ -33,62 +36,66 @@ def _concrete(x, check_values: bool):
   return np.asarray(x)
 
 
-def _require(cond: bool, msg: str, exc=ValueError):
+def _require(cond: bool, msg, exc=ValueError):
+  """Raises exc(msg) unless cond; msg may be a callable, formatted only then."""
   if not cond:
-    raise exc(msg)
+    raise exc(msg() if callable(msg) else msg)
 
 
+# Cached: jnp.issubdtype costs microseconds, and these run on every call.
+@functools.lru_cache(maxsize=None)
 def _is_float(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.floating)
+  return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
+@functools.lru_cache(maxsize=None)
 def _is_int(dtype) -> bool:
-  return jnp.issubdtype(dtype, jnp.integer)
+  return bool(jnp.issubdtype(dtype, jnp.integer))
 
 
 def check_head(head, vocab: int):
   embed, proj = head.embed, head.proj
-  _require(len(_shape(embed)) == 2, f"head.embed must be [V_in, R], got shape {_shape(embed)}")
-  _require(len(_shape(proj)) == 2, f"head.proj must be [V, R], got shape {_shape(proj)}")
+  _require(len(_shape(embed)) == 2, lambda: f"head.embed must be [V_in, R], got shape {_shape(embed)}")
+  _require(len(_shape(proj)) == 2, lambda: f"head.proj must be [V, R], got shape {_shape(proj)}")
   _require(_is_float(_dtype(embed)) and _is_float(_dtype(proj)),
-           f"head weights must be floating point, got {_dtype(embed)} and {_dtype(proj)}",
+           lambda: f"head weights must be floating point, got {_dtype(embed)} and {_dtype(proj)}",
            TypeError)
   _require(_dtype(embed) == _dtype(proj),
-           f"head.embed and head.proj must share a dtype, got {_dtype(embed)} and {_dtype(proj)}",
+           lambda: f"head.embed and head.proj must share a dtype, got {_dtype(embed)} and {_dtype(proj)}",
            TypeError)
   _require(_shape(embed)[1] == _shape(proj)[1],
-           f"rank R disagrees: head.embed is {_shape(embed)}, head.proj is {_shape(proj)}")
+           lambda: f"rank R disagrees: head.embed is {_shape(embed)}, head.proj is {_shape(proj)}")
   _require(_shape(proj)[1] >= 1, "rank R must be >= 1")
   _require(_shape(proj)[0] == vocab,
-           f"V disagrees: base_logits has V={vocab}, head.proj has {_shape(proj)[0]} rows")
+           lambda: f"V disagrees: base_logits has V={vocab}, head.proj has {_shape(proj)[0]} rows")
   _require(_shape(embed)[0] >= vocab,
-           f"head.embed has {_shape(embed)[0]} rows but every drawn token (< V={vocab}) "
+           lambda: f"head.embed has {_shape(embed)[0]} rows but every drawn token (< V={vocab}) "
            "is looked up in it: V_in must be >= V")
 
 
 def check_common(base_logits, anchor_tokens, head, positions, *, check_values: bool):
   """Checks what both layouts share. Returns (B, S, V)."""
   shape = _shape(base_logits)
-  _require(len(shape) == 3, f"base_logits must be [B, S, V], got shape {shape}")
+  _require(len(shape) == 3, lambda: f"base_logits must be [B, S, V], got shape {shape}")
   B, S, V = shape
-  _require(B >= 1 and S >= 1 and V >= 1, f"base_logits has an empty dimension: {shape}")
+  _require(B >= 1 and S >= 1 and V >= 1, lambda: f"base_logits has an empty dimension: {shape}")
   _require(_is_float(_dtype(base_logits)),
-           f"base_logits must be bf16, fp16 or fp32, got {_dtype(base_logits)}", TypeError)
+           lambda: f"base_logits must be bf16, fp16 or fp32, got {_dtype(base_logits)}", TypeError)
   check_head(head, V)
   _require(_shape(anchor_tokens) == (B,),
-           f"anchor_tokens must be [B]=[{B}], got shape {_shape(anchor_tokens)}")
+           lambda: f"anchor_tokens must be [B]=[{B}], got shape {_shape(anchor_tokens)}")
   _require(_is_int(_dtype(anchor_tokens)),
-           f"anchor_tokens must be integers, got {_dtype(anchor_tokens)}", TypeError)
+           lambda: f"anchor_tokens must be integers, got {_dtype(anchor_tokens)}", TypeError)
   _require(_shape(positions) == (B, S),
-           f"positions must be [B, S]=[{B}, {S}], got shape {_shape(positions)}")
+           lambda: f"positions must be [B, S]=[{B}, {S}], got shape {_shape(positions)}")
   _require(_is_int(_dtype(positions)),
-           f"positions must be integers, got {_dtype(positions)}", TypeError)
+           lambda: f"positions must be integers, got {_dtype(positions)}", TypeError)
   anchors = _concrete(anchor_tokens, check_values)
   if anchors is not None:
     v_in = _shape(head.embed)[0]
     bad = (anchors < 0) | (anchors >= v_in)
     _require(not bad.any(),
-             f"anchor_tokens outside the embedding table [0, {v_in}): "
+             lambda: f"anchor_tokens outside the embedding table [0, {v_in}): "
              f"{anchors[bad][:8].tolist()}")
   pos = _concrete(positions, check_values)
   if pos is not None:
@@ -98,18 +105,18 @@ def check_common(base_logits, anchor_tokens, head, positions, *, check_values: b
 
 def check_temperature(temperature, n: int, what: str, *, check_values: bool):
   _require(_shape(temperature) == (n,),
-           f"temperature must be [{what}]=[{n}], got shape {_shape(temperature)}")
+           lambda: f"temperature must be [{what}]=[{n}], got shape {_shape(temperature)}")
   _require(_is_float(_dtype(temperature)) or _is_int(_dtype(temperature)),
-           f"temperature must be real numbers, got {_dtype(temperature)}", TypeError)
+           lambda: f"temperature must be real numbers, got {_dtype(temperature)}", TypeError)
   t = _concrete(temperature, check_values)
   if t is not None:
     _require(not np.isnan(t).any(), "temperature must not be NaN")
-    _require(not (t < 0).any(), f"temperature must be >= 0, got {t[t < 0][:8].tolist()}")
+    _require(not (t < 0).any(), lambda: f"temperature must be >= 0, got {t[t < 0][:8].tolist()}")
 
 
 def check_seed_words(words, n: int, what: str):
   _require(_shape(words) == (n, 2),
-           f"seeds must be [{what}]=[{n}] (or already split, [{n}, 2]), got "
+           lambda: f"seeds must be [{what}]=[{n}] (or already split, [{n}, 2]), got "
            f"{_shape(words)[:-1] if _shape(words)[-1:] == (2,) else _shape(words)}")
 
 
@@ -117,21 +124,21 @@ def check_cache(cache, idx_map, B: int, S: int, V: int, *, check_values: bool):
   """Checks the state-indexed layout. Returns N, the cache's rows."""
   shape = _shape(cache)
   _require(len(shape) == 3 and shape[1:] == (S, V),
-           f"cache must be [N, S, V]=[N, {S}, {V}], got shape {shape}")
-  _require(_dtype(cache) == jnp.float32, f"cache must be float32, got {_dtype(cache)}",
+           lambda: f"cache must be [N, S, V]=[N, {S}, {V}], got shape {shape}")
+  _require(_dtype(cache) == jnp.float32, lambda: f"cache must be float32, got {_dtype(cache)}",
            TypeError)
   _require(_shape(idx_map) == (B, S),
-           f"idx_map must be [B, S]=[{B}, {S}], got shape {_shape(idx_map)}")
-  _require(_is_int(_dtype(idx_map)), f"idx_map must be integers, got {_dtype(idx_map)}",
+           lambda: f"idx_map must be [B, S]=[{B}, {S}], got shape {_shape(idx_map)}")
+  _require(_is_int(_dtype(idx_map)), lambda: f"idx_map must be integers, got {_dtype(idx_map)}",
            TypeError)
   n = shape[0]
   idx = _concrete(idx_map, check_values)
   if idx is not None:
     bad = (idx < -1) | (idx >= n)
-    _require(not bad.any(), f"idx_map outside [-1, N={n}): {idx[bad][:8].tolist()}")
+    _require(not bad.any(), lambda: f"idx_map outside [-1, N={n}): {idx[bad][:8].tolist()}")
     for s in range(S):
       rows = idx[:, s][idx[:, s] >= 0]
       _require(len(np.unique(rows)) == len(rows),
-               f"idx_map[:, {s}] names a state row twice: two requests would write "
+               lambda: f"idx_map[:, {s}] names a state row twice: two requests would write "
                "the same cache row")
   return n

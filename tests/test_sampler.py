@@ -63,7 +63,7 @@ def test_steps(S):
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("R", [1, 3, 64, 256])
+@pytest.mark.parametrize("R", [1, 3, 80, 256])
 def test_ranks(method, R):
   args = make_problem(3, 3, 200, R, seed=4)
   draft = jm.sample_draft(*args, config=_config(method, 128, R))

@@ -30,7 +30,6 @@ os.environ.setdefault(_PREALLOC, "false")
 import collections
 import inspect
 import operator
-from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 import jax
@@ -333,7 +332,9 @@ class FusedMarkovSampler:
     self._pad: torch.Tensor | None = None
     self._n_arrays: dict[tuple[Any, int], jax.Array] = {}
     self._pending: collections.deque = collections.deque()
+    self._free_events: list = []
     self._cache_flat: tuple[tuple, torch.Tensor] | None = None
+    self._layout: _Layout | None = None
     self._prealloc_checked = False
 
   # -- public helpers ---------------------------------------------------------
@@ -360,11 +361,10 @@ class FusedMarkovSampler:
     """
     base_dtype = self.dtype if base_dtype is None else base_dtype
     s_len = self._num_steps(spec)
-    device = spec.model.model.markov_head.markov_w2.weight.device
-    self._set_device(device)
+    w2 = spec.model.model.markov_head.markov_w2.weight
+    self._set_device(w2.device)
     args, layout = self._cached_args(spec, s_len)
-    jdev = _dl.jax_device(args[-1] if False else
-                          spec.model.model.markov_head.markov_w2.weight)
+    jdev = _dl.jax_device(w2)
     jdtype = jnp.dtype(str(base_dtype).removeprefix("torch."))
     for bp in self.buckets:
       base = jax.device_put(jnp.zeros((bp, s_len, self.vocab_size), jdtype),
@@ -454,7 +454,8 @@ class FusedMarkovSampler:
         # JAX frees its outputs and torch frees the base logits as soon as
         # they are dropped, neither knowing the other's queued work: hold
         # them until the copies above have run.
-        event = torch.cuda.Event()
+        event = self._free_events.pop() if self._free_events else \
+            torch.cuda.Event()
         event.record()
         self._pending.append(
             (event, (base, base_src, base_j, ints, logits, ints_t, logits_t)))
@@ -463,17 +464,20 @@ class FusedMarkovSampler:
   # -- internals --------------------------------------------------------------
 
   def _retire(self):
+    """Releases what the finished calls held; bounds what is held."""
     while self._pending and self._pending[0][0].query():
-      self._pending.popleft()
-    while len(self._pending) > _MAX_PENDING:  # bound the memory held
+      self._free_events.append(self._pending.popleft()[0])
+    while len(self._pending) > _MAX_PENDING:
       event, _ = self._pending.popleft()
       event.synchronize()
+      self._free_events.append(event)
 
   def _set_device(self, device: torch.device):
     if device != self._device:
       # Everything cached was validated against the old device.
       self._imports.clear()
       self._checked.clear()
+      self._layout = None
       self._cache_flat = None
       self._pad = None
       self._device = device
@@ -562,6 +566,7 @@ class FusedMarkovSampler:
   def _cached_args(self, spec, s_len: int):
     """The cached imports of every fixed spec buffer, and the layout flags."""
     m, vocab, r = self.max_num_reqs, self.vocab_size, self.rank
+    imports_before = self._imports.imports
     mh = spec.model.model.markov_head
     w1 = mh.markov_w1.weight
     w2 = mh.markov_w2.weight
@@ -607,13 +612,16 @@ class FusedMarkovSampler:
                        lambda s: len(s) == 2 and s[0] >= m and s[1] >= s_len,
                        f"[max_num_reqs = {m}, >= S = {s_len}]",
                        contiguous=False)
-    layout = _Layout(
-        idx_wide=idx_map.dtype == torch.int64,
-        pos_wide=sample_pos.dtype == torch.int64,
-        anchor_wide=anchor_idx.dtype == torch.int64,
-        ids_wide=input_ids.dtype == torch.int64,
-        seeds_wide=seeds.dtype == torch.int64,
-        interpret=True if self._device.type == "cpu" else None)
+    layout = self._layout
+    if layout is None or self._imports.imports != imports_before:
+      # Dtypes can only have changed with a re-import.
+      layout = self._layout = _Layout(
+          idx_wide=idx_map.dtype == torch.int64,
+          pos_wide=sample_pos.dtype == torch.int64,
+          anchor_wide=anchor_idx.dtype == torch.int64,
+          ids_wide=input_ids.dtype == torch.int64,
+          seeds_wide=seeds.dtype == torch.int64,
+          interpret=True if self._device.type == "cpu" else None)
     return (w1_j, w2_j, ids_j, anchor_j, temp_j, seeds_j, idx_j, pos_j,
             row0), layout
 

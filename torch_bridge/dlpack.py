@@ -205,6 +205,7 @@ def tensor_version(t: torch.Tensor) -> int | None:
 
 
 class _Entry(NamedTuple):
+  source: torch.Tensor
   key: tuple
   version: int | None
   array: jax.Array
@@ -220,7 +221,10 @@ class ImportCache:
   later in-place writes are visible through it) or torch's version counter is
   unchanged (the import was a copy: a write makes it stale). A new tensor in
   the slot replaces the entry, which releases the old import (and with it the
-  reference it held to the old tensor).
+  reference it held to the old tensor). For the very tensor object imported
+  before, only its address and shape are compared (the rest of the key can
+  change only through ``as_strided_``-like metadata surgery, which is not
+  detected).
 
   Cached imports carry no ordering: JAX orders a computation after torch's
   current stream only through an array imported for that call
@@ -235,7 +239,12 @@ class ImportCache:
   def lookup(self, slot: str, source: torch.Tensor) -> jax.Array | None:
     """The cached import of ``source`` in ``slot``, or None if missing or stale."""
     e = self._entries.get(slot)
-    if e is None or e.key != tensor_key(source):
+    if e is None:
+      return None
+    if e.source is source:
+      if e.key[0] != source.data_ptr() or e.key[1] != source.shape:
+        return None
+    elif e.key != tensor_key(source):
       return None
     if e.alias:
       return e.array
@@ -257,8 +266,9 @@ class ImportCache:
     """
     arr = import_tensor(derived)
     self.imports += 1
-    self._entries[slot] = _Entry(tensor_key(source), tensor_version(source),
-                                 arr, is_alias(arr, derived))
+    self._entries[slot] = _Entry(source, tensor_key(source),
+                                 tensor_version(source), arr,
+                                 is_alias(arr, derived))
     return arr
 
   def is_alias(self, slot: str) -> bool | None:

@@ -217,7 +217,7 @@ class ReferenceTritonSampler:
           num_warps=self.num_warps)
 
   def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":
-    """Captures :meth:`run_steps` in a CUDA graph; replay it with ``.replay()``."""
+    """Captures :meth:`run_steps` in a CUDA graph; replay with ``.replay()``."""
     from benchmarks.baselines.vllm_loop import capture_graph
     self.graph = capture_graph(self.run_steps, warmup)
     return self.graph

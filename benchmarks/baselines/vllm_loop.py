@@ -62,7 +62,7 @@ class VllmLoopSampler:
       prev = tok
 
   def capture(self, warmup: int = 2) -> "torch.cuda.CUDAGraph":
-    """Captures :meth:`run_steps` in a CUDA graph; replay it with ``.replay()``."""
+    """Captures :meth:`run_steps` in a CUDA graph; replay with ``.replay()``."""
     self.graph = capture_graph(self.run_steps, warmup)
     return self.graph
 

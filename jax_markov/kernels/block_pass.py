@@ -56,12 +56,14 @@ def _block_pass_kernel(*refs, fused: bool, has_cache_in: bool, block_b: int,
                  other=0).astype(jnp.float32)
   if fused:
     acc = jnp.zeros((block_b, block_v), jnp.float32)
-    for k0 in range(0, rank, block_k):  # static: R / block_k dots
-      k_mask = k0 + jnp.arange(block_k) < rank
-      emb = plgpu.load(emb_ref.at[pl.ds(b0, block_b), pl.ds(k0, block_k)],
-                       mask=b_mask[:, None] & k_mask[None, :], other=0)
-      proj = plgpu.load(proj_ref.at[pl.ds(v0, block_v), pl.ds(k0, block_k)],
-                        mask=v_mask[:, None] & k_mask[None, :], other=0)
+    b_rows = (b0 + jnp.arange(block_b))[:, None]
+    v_rows = (v0 + jnp.arange(block_v))[:, None]
+    for k0 in range(0, rank, block_k):  # static: cdiv(R, block_k) dots
+      k_cols = (k0 + jnp.arange(block_k))[None, :]
+      emb = plgpu.load(emb_ref.at[b_rows, k_cols],
+                       mask=b_mask[:, None] & (k_cols < rank), other=0)
+      proj = plgpu.load(proj_ref.at[v_rows, k_cols],
+                        mask=v_mask[:, None] & (k_cols < rank), other=0)
       acc += jax.lax.dot_general(emb, proj, (((1,), (1,)), ((), ())),
                                  precision=precision,
                                  preferred_element_type=jnp.float32)

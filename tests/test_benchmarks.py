@@ -1,0 +1,335 @@
+"""Checks of the benchmark harness and its baselines (CPU; GPU ones marked).
+
+The baselines are timed against jax_markov, so they must compute the same
+thing: at temperature 0 the same tokens and cached logits as the plain-jnp
+reference, at T > 0 a consistent chain (each step's logits built on the token
+drawn at the step before).
+"""
+
+import json
+import os
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+# benchmarks/ is a top-level folder of the repository, not part of the package.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+from benchmarks import common  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks import run  # noqa: E402
+from benchmarks.baselines import plain_jax  # noqa: E402
+from jax_markov import reference, rng  # noqa: E402
+from jax_markov.head import MarkovHead  # noqa: E402
+
+TINY = common.Shape("t", "t", V=300, R=16, S=3)
+
+
+def _torch():
+  return pytest.importorskip("torch")
+
+
+def _has_gpu_torch():
+  try:
+    import torch
+    return torch.cuda.is_available()
+  except ImportError:
+    return False
+
+
+def _reference(d, temperature, batch, shape=TINY):
+  seeds, positions = common.seeds_and_positions(batch, shape.S)
+  tokens, logits = reference.sample_draft(
+      d["base"], d["anchors"], MarkovHead(d["embed"], d["proj"]),
+      jnp.full((batch,), temperature, jnp.float32), seeds, positions)
+  return np.asarray(tokens), np.asarray(logits)
+
+
+def _assert_chain(base, embed, proj, anchors, tokens, logits):
+  """logits[b, s] == base[b, s] + proj @ embed[prev] with prev the token
+  drawn at s - 1 (the anchor at s = 0); all in float64, exact here."""
+  base, embed, proj = (np.asarray(x, np.float64) for x in (base, embed, proj))
+  prev = np.asarray(anchors)
+  for s in range(base.shape[1]):
+    want = base[:, s] + embed[prev] @ proj.T
+    np.testing.assert_array_equal(np.asarray(logits)[:, s], want)
+    prev = np.asarray(tokens)[:, s]
+
+
+def test_synthetic_inputs_identical_in_torch_and_jax():
+  torch = _torch()
+  for set_index in (0, 3):
+    t = common.torch_inputs(TINY, 5, set_index, "cpu")
+    j = common.jax_inputs(TINY, 5, set_index)
+    for name in ("base", "embed", "proj"):
+      np.testing.assert_array_equal(t[name].float().numpy(),
+                                    np.asarray(j[name], np.float32))
+    np.testing.assert_array_equal(t["anchors"].numpy(),
+                                  np.asarray(j["anchors"]))
+  chex.assert_shape(j["base"], (5, TINY.S, TINY.V))
+  chex.assert_type(j["base"], jnp.bfloat16)
+  assert t["anchors"].dtype == torch.int64
+  # Another set is other data, and the base logits are not degenerate.
+  assert not np.array_equal(np.asarray(common.jax_inputs(TINY, 5, 0)["base"]),
+                            np.asarray(j["base"]))
+  assert np.unique(np.asarray(j["base"], np.float32)).size > 200
+
+
+def test_bias_is_exact_in_bf16_and_float32():
+  torch = _torch()
+  shape = common.Shape("w", "w", V=500, R=256, S=1)  # the largest rank
+  d = common.torch_inputs(shape, 4, 0, "cpu")
+  emb = d["embed"][torch.arange(500)]
+  exact = emb.double() @ d["proj"].double().T
+  np.testing.assert_array_equal(
+      torch.nn.functional.linear(emb, d["proj"]).double().numpy(),
+      exact.numpy())
+  np.testing.assert_array_equal((emb.float() @ d["proj"].float().T).numpy(),
+                                exact.numpy())
+
+
+def test_floor_matches_the_issue_numbers():
+  # 4.27 TB/s: 0.11, 0.19 and 0.43 ms at B = 1, 64, 256 for DeepSeek-V4.
+  shape = common.SHAPES["dsv4"]
+  assert common.floor_bytes(shape, 1) == (7 * 129280 * 256 * 2
+                                          + 7 * 129280 * 2 + 7 * 129280 * 4)
+  ms = [common.floor_bytes(shape, b) / 4.27e12 * 1e3 for b in (1, 64, 256)]
+  np.testing.assert_allclose(ms, [0.11, 0.19, 0.43], atol=0.006)
+  assert common.num_input_sets(shape, 256) == 1
+  assert common.num_input_sets(common.SHAPES["small"], 1) > 1
+
+
+def test_plain_jax_greedy_matches_reference():
+  d = common.jax_inputs(TINY, 6, 0)
+  tokens, cache = plain_jax.sample(
+      d["base"], d["anchors"], d["embed"], d["proj"], jnp.zeros((6,)),
+      jax.random.PRNGKey(0), greedy=True)
+  chex.assert_shape(tokens, (6, TINY.S))
+  chex.assert_type(tokens, jnp.int32)
+  chex.assert_type(cache, jnp.float32)
+  want_tokens, want_logits = _reference(d, 0.0, 6)
+  np.testing.assert_array_equal(np.asarray(tokens), want_tokens)
+  np.testing.assert_array_equal(np.asarray(cache), want_logits)
+
+
+def test_plain_jax_sampling_is_a_consistent_chain():
+  d = common.jax_inputs(TINY, 6, 1)
+  tokens, cache = plain_jax.sample(
+      d["base"], d["anchors"], d["embed"], d["proj"], jnp.full((6,), 1.0),
+      jax.random.PRNGKey(3), greedy=False)
+  tokens = np.asarray(tokens)
+  assert tokens.min() >= 0 and tokens.max() < TINY.V
+  _assert_chain(d["base"], d["embed"], d["proj"], d["anchors"], tokens, cache)
+  # Sampling, not argmax: the first step differs from greedy somewhere.
+  greedy, _ = _reference(d, 0.0, 6)
+  assert not np.array_equal(tokens[:, 0], greedy[:, 0])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_vllm_loop_on_cpu(temperature):
+  torch = _torch()
+  from benchmarks.baselines.vllm_loop import VllmLoopSampler
+  torch.manual_seed(0)
+  t = common.torch_inputs(TINY, 6, 0, "cpu")
+  smp = VllmLoopSampler(t["embed"], t["proj"], t["base"], t["anchors"],
+                        torch.full((6,), temperature), temperature == 0.0)
+  smp.run_steps()
+  assert smp.tokens.shape == (6, TINY.S) and smp.cache.dtype == torch.float32
+  j = common.jax_inputs(TINY, 6, 0)
+  if temperature == 0.0:
+    want_tokens, want_logits = _reference(j, 0.0, 6)
+    np.testing.assert_array_equal(smp.tokens.numpy(), want_tokens)
+    np.testing.assert_array_equal(smp.cache.numpy(), want_logits)
+  else:
+    _assert_chain(j["base"], j["embed"], j["proj"], j["anchors"],
+                  smp.tokens.numpy(), smp.cache.numpy())
+
+
+def _check_reference_triton(device):
+  """The Triton reference design against the jnp reference, same uniforms."""
+  torch = _torch()
+  pytest.importorskip("triton")
+  from benchmarks.baselines.reference_triton import ReferenceTritonSampler
+  shape = common.Shape("t", "t", V=1500, R=16, S=3)
+  B = 4
+  t = common.torch_inputs(shape, B, 0, device)
+  j = common.jax_inputs(shape, B, 0)
+  # Row 1 of step 0: some -inf and NaN logits; row 2 of step 1: all -inf.
+  base = np.asarray(j["base"], np.float32)
+  base[1, 0, ::3] = -np.inf
+  base[1, 0, 1::7] = np.nan
+  base[2, 1, :] = -np.inf
+  j["base"] = jnp.asarray(base, jnp.bfloat16)
+  t["base"] = torch.from_numpy(base).to(torch.bfloat16).to(device)
+  seeds, positions = common.seeds_and_positions(B, shape.S)
+  u = np.array(rng.draft_uniforms(seeds, positions))
+  for temps in ([0.0] * B, [1.0] * B, [0.0, 0.7, 1.0, 3.0]):
+    smp = ReferenceTritonSampler(
+        t["embed"], t["proj"], t["base"], t["anchors"],
+        torch.tensor(temps, dtype=torch.float32, device=device),
+        torch.from_numpy(u).to(device), block=512)
+    smp.run_steps()
+    want_tokens, want_logits = reference.sample_draft(
+        j["base"], j["anchors"], MarkovHead(j["embed"], j["proj"]),
+        jnp.asarray(temps, jnp.float32), seeds, positions)
+    np.testing.assert_array_equal(smp.tokens.cpu().numpy(),
+                                  np.asarray(want_tokens))
+    np.testing.assert_array_equal(smp.cache.cpu().numpy(),
+                                  np.asarray(want_logits))
+    assert smp.tokens[2, 1].item() == 0  # all -inf: token 0 by the rule
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="set TRITON_INTERPRET=1 to check the Triton "
+                    "kernels on CPU (needs triton installed)")
+def test_reference_triton_interpreted():
+  _check_reference_triton("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu_torch(), reason="needs a CUDA GPU")
+def test_reference_triton_on_gpu():
+  # The jnp reference runs on the CPU: no JAX work on the GPU torch uses.
+  with jax.default_device(jax.devices("cpu")[0]):
+    _check_reference_triton("cuda")
+
+
+def _torch_greedy_chain(torch, d):
+  """Temperature-0 tokens by a plain torch loop (exact logits, argmax)."""
+  prev = d["anchors"]
+  tokens = []
+  for s in range(d["base"].shape[1]):
+    logits = (d["base"][:, s].float()
+              + d["embed"][prev].float() @ d["proj"].float().T)
+    prev = torch.argmax(logits, dim=-1)
+    tokens.append(prev)
+  return torch.stack(tokens, dim=1).cpu().numpy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _has_gpu_torch(), reason="needs a CUDA GPU")
+def test_cuda_graphs_replay_the_eager_results():
+  torch = _torch()
+  pytest.importorskip("triton")
+  from benchmarks.baselines.reference_triton import ReferenceTritonSampler
+  from benchmarks.baselines.vllm_loop import VllmLoopSampler
+  shape = common.SHAPES["dsv4"]
+  for B in (1, 64):
+    d = common.torch_inputs(shape, B, 0, "cuda")
+    temp = torch.zeros((B,), device="cuda")
+    u = torch.rand((B, shape.S), device="cuda")
+    want = _torch_greedy_chain(torch, d)
+    for make in (
+        lambda: ReferenceTritonSampler(d["embed"], d["proj"], d["base"],
+                                       d["anchors"], temp, u),
+        lambda: VllmLoopSampler(d["embed"], d["proj"], d["base"],
+                                d["anchors"], temp, True)):
+      eager, captured = make(), make()
+      eager.run_steps()
+      captured.capture().replay()
+      torch.cuda.synchronize()
+      np.testing.assert_array_equal(eager.tokens.cpu().numpy(), want)
+      np.testing.assert_array_equal(captured.tokens.cpu().numpy(), want)
+      assert torch.equal(eager.cache, captured.cache)
+
+
+def test_token_check_flags_a_mismatch(tmp_path):
+  result = run._Result(str(tmp_path / "r.json"), {})
+  quiet = lambda msg: None  # noqa: E731
+  assert run._check_tokens(result, "k", "a", [[1, 2], [3, 4]], quiet)
+  assert run._check_tokens(result, "k", "b", [[1, 2], [3, 4]], quiet)
+  assert not run._check_tokens(result, "k", "c", [[1, 2], [3, 5]], quiet)
+  assert result.data["mismatches"] == [
+      "k: c differs from a in 1 of 4 temperature-0 tokens"]
+
+
+def test_bench_quick_runs_on_cpu(tmp_path, monkeypatch):
+  # On a GPU machine this process's JAX may hold most of the GPU already.
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  out = tmp_path / "res.json"
+  rc = run.main(["--quick", "--shapes", "tiny", "--batches", "2",
+                 "--impls", "plain_jax,vllm_loop,vllm_loop_graph",
+                 "--repeats", "2", "--out", str(out), "--report",
+                 "--docs-dir", str(tmp_path / "docs")])
+  assert rc == 0
+  rows = json.loads(out.read_text())
+  keys = {"impl", "V", "R", "S", "dtype", "batch", "temperature", "median_ms",
+          "floor_ms", "device"}
+  assert all(keys <= set(r) for r in rows)
+  impls = {"plain_jax", "vllm_loop"}
+  if _has_gpu_torch():
+    impls.add("vllm_loop_graph")
+  assert {(r["impl"], r["temperature"]) for r in rows} == {
+      (i, t) for i in impls for t in (0.0, 1.0)}
+  assert all(r["median_ms"] > 0 and r["floor_ms"] > 0 for r in rows)
+  assert all(r["tokens_match"] for r in rows)
+  md = (tmp_path / "docs" / "benchmarks.md").read_text()
+  assert "| 2 |" in md and "x fl" in md
+  assert (tmp_path / "docs" / "benchmarks.png").stat().st_size > 0
+
+
+def test_report_ratios_and_plot(tmp_path):
+  rows = []
+  for impl, ms in (("jax_markov", 0.2), ("reference_triton_graph", 0.25)):
+    for batch in (1, 4):
+      rows.append(dict(impl=impl, shape="dsv4", V=129280, R=256, S=7,
+                       dtype="bfloat16", batch=batch, temperature=1.0,
+                       median_ms=ms * batch, floor_ms=0.1 * batch,
+                       device="NVIDIA H200", copy_bw_gbs=4270.0))
+  path = tmp_path / "r.json"
+  path.write_text(json.dumps(rows))
+  md_path, png_path = report.write_report(str(path), str(tmp_path))
+  md = open(md_path).read()
+  assert ("| 4 | 0.400 | 0.800 (2.00x fl, 0.80x ref) | "
+          "1.000 (2.50x fl, 1.00x ref) |") in md
+  assert "4.27 TB/s" in md
+  assert os.path.getsize(png_path) > 1000
+  assert "jax_markov" in report.text_summary(rows)
+
+
+class _FakeRunner:
+  """A family runner whose "bad" impl raises and "skip" impl cannot run."""
+  is_gpu = False
+
+  def bandwidth_gbs(self):
+    return 1.0
+
+  def make_inputs(self, shape, batch, n_sets):
+    pass
+
+  def same_rng(self, impl, key):
+    return False
+
+  def prepare(self, impl, shape, batch, temp):
+    if impl == "skip":
+      raise run._Skip("not here")
+    if impl == "bad":
+      raise RuntimeError("boom")
+    return run._Prepared([lambda: None], lambda: [[1] * shape.S] * batch)
+
+  def time(self, prep, repeats, group, warmup):
+    return 0.5, 2
+
+  def release(self, inputs=False):
+    pass
+
+
+def test_a_failing_impl_is_reported_and_the_others_run(tmp_path):
+  result = run._Result(str(tmp_path / "r.json"), {})
+  cfg = dict(measure_bandwidth=False, temperatures=[0.0, 1.0],
+             shapes=["tiny"], batches=[1, 2], impls=["good", "bad", "skip"],
+             repeats=4, group=2, warmup=1)
+  run._run_family(cfg, _FakeRunner(), result, lambda msg: None)
+  rows = result.data["rows"]
+  assert {(r["impl"], r["batch"], r["temperature"]) for r in rows} == {
+      ("good", b, t) for b in (1, 2) for t in (0.0, 1.0)}
+  notices = result.data["notices"]
+  assert any(n.startswith("bad failed at tiny|1 T=0") and "boom" in n
+             for n in notices)
+  assert "skip skipped: not here" in notices

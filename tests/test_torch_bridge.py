@@ -1,0 +1,418 @@
+"""Tests of torch_bridge.FusedMarkovSampler against jm.sample_draft_into and a
+plain-torch loop of the chain, on a speculator double built from torch modules.
+
+CPU tests use torch CPU tensors (DLPack into JAX on CPU, jax_markov in
+interpret mode). GPU tests (marked ``gpu``) run the same on CUDA tensors, plus
+the stream-ordering, device-mismatch and capture tests.
+"""
+
+import os
+import sys
+
+import torch_bridge as tb  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE
+from torch_bridge import buckets as tbb
+
+import jax
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import speculator_double as sd  # pylint: disable=g-import-not-at-top
+
+
+def _has_gpu() -> bool:
+  if not torch.cuda.is_available():
+    return False
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+_GPU = _has_gpu()
+
+M, S, V, R = 8, 3, 96, 8
+
+# (spec kwargs, [(num_reqs, padding requests, greedy requests), ...])
+CONFIGS = {
+    # vLLM's dtypes: int32 mapping and input ids, int64 positions and seeds.
+    "fp32-vllm": (dict(dtype=torch.float32),
+                  [(5, (1,), (2,)), (8, (), (0, 7)), (3, (), ()),
+                   (1, (0,), ())]),
+    # bf16 head and logits, int64 [M, S] mapping, int32 positions, int64 ids;
+    # 6 requests pad to the bucket of 8 (the padded-copy path).
+    "bf16-wide": (dict(dtype=torch.bfloat16, vocab=130, idx_dtype=torch.int64,
+                       idx_2d=True, pos_dtype=torch.int32,
+                       ids_dtype=torch.int64, seed=1),
+                  [(6, (4,), (1,))]),
+}
+
+
+def _sync(device):
+  if torch.device(device).type == "cuda":
+    torch.cuda.synchronize()
+
+
+def _run_and_check(spec, sampler, n, padding=(), greedy=(), platform="cpu"):
+  """One hook call, checked against jm.sample_draft_into and the torch loop."""
+  hidden = spec.prepare(n, padding=padding, greedy=greedy)
+  x = spec.inputs(n, hidden)
+  cache0 = spec.draft_logits.values.clone()
+  tokens0 = spec.draft_tokens.clone()
+  assert sampler(spec, n, hidden) is True
+  _sync(spec.device)
+  got_tokens = spec.draft_tokens.cpu()
+  got_cache = spec.draft_logits.values.cpu()
+  cache0, tokens0 = cache0.cpu(), tokens0.cpu()
+  _check(spec, x, n, got_tokens, got_cache, cache0, tokens0, platform)
+
+
+def _check(spec, x, n, got_tokens, got_cache, cache0, tokens0, platform):
+  vocab = spec.vocab
+  idx = x["idx"]
+  valid = idx >= 0
+  # 1. The same tokens and cache as jm.sample_draft_into on the same inputs.
+  want_tokens, want_cache = sd.jm_sample_draft_into(cache0, x, platform)
+  np.testing.assert_array_equal(got_tokens[:n][valid], want_tokens[valid])
+  np.testing.assert_allclose(got_cache, want_cache, rtol=1e-6, atol=1e-6)
+  # Padding steps still draw valid ids.
+  assert bool(((got_tokens[:n] >= 0) & (got_tokens[:n] < vocab)).all())
+  # 2. Nothing else is touched: later requests' tokens, unwritten cache rows.
+  assert torch.equal(got_tokens[n:], tokens0[n:])
+  written = torch.zeros(cache0.shape[:2], dtype=torch.bool)
+  steps = torch.arange(idx.shape[1]).expand_as(idx)
+  written[idx[valid], steps[valid]] = True
+  assert torch.equal(got_cache[~written], cache0[~written])
+  # 3. The plain-torch loop of the chain.
+  torch_tokens, torch_logits = sd.torch_chain(spec, x)
+  np.testing.assert_array_equal(got_tokens[:n][valid], torch_tokens[valid])
+  np.testing.assert_allclose(got_cache[idx[valid], steps[valid]],
+                             torch_logits[valid], rtol=1e-5, atol=1e-4)
+
+
+def _sampler_for(spec, **kwargs):
+  mh = spec.model.model.markov_head
+  return tb.FusedMarkovSampler(spec.max_num_reqs, spec.vocab,
+                               mh.markov_w2.weight.shape[1],
+                               mh.markov_w2.weight.dtype, **kwargs)
+
+
+def _matches(config, device, platform):
+  kwargs, calls = CONFIGS[config]
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, rank=R,
+                             device=device, **{"vocab": V, **kwargs})
+  sampler = _sampler_for(spec)
+  for n, padding, greedy in calls:
+    _run_and_check(spec, sampler, n, padding, greedy, platform)
+  return spec, sampler
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_matches_jm_and_torch_loop(config):
+  _matches(config, "cpu", "cpu")
+
+
+def test_buckets():
+  assert tbb.default_buckets(1) == (1,)
+  assert tbb.default_buckets(8) == (1, 2, 4, 8)
+  assert tbb.default_buckets(6) == (1, 2, 4, 6)
+  assert tbb.normalize_buckets([4, 2, 2], 8) == (2, 4, 8)
+  with pytest.raises(ValueError):
+    tbb.normalize_buckets([0, 4], 8)
+  with pytest.raises(ValueError):
+    tbb.normalize_buckets([16], 8)
+  got = [tbb.bucket_for((1, 2, 4, 8), n) for n in range(1, 9)]
+  assert got == [1, 2, 4, 4, 8, 8, 8, 8]
+
+
+def test_no_recompile_per_num_reqs():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  assert sampler.warmup(spec) == len(sampler.buckets) == 4
+  traces = tb.trace_count()
+  for n in range(1, M + 1):
+    hidden = spec.prepare(n)
+    assert sampler(spec, n, hidden)
+  assert tb.trace_count() == traces
+
+
+def test_custom_buckets_pad_rows_write_nothing():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec, buckets=[8])
+  assert sampler.buckets == (8,)
+  _run_and_check(spec, sampler, 3, padding=(2,))
+
+
+def test_all_padding_writes_no_logits():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  _run_and_check(spec, sampler, 3, padding=(0, 1, 2))
+
+
+def test_imports_are_cached_and_refreshed():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  _run_and_check(spec, sampler, 8)
+  first = sampler.import_count
+  _run_and_check(spec, sampler, 8)
+  # Fixed buffers are imported once; only the base logits are per call.
+  assert sampler.import_count == first + 1
+  for slot in ("spec.seeds", "spec.sample_idx_mapping",
+               "spec.model.model.markov_head.markov_w1.weight"):
+    assert sampler.is_zero_copy(slot)
+  # A new tensor in a slot is imported and used.
+  spec.seeds = spec.seeds.clone()
+  _run_and_check(spec, sampler, 8)
+  assert sampler.import_count == first + 3
+  # A misaligned buffer is imported as a copy; torch's in-place writes bump
+  # its version, so the copy is refreshed before it is used again.
+  storage = torch.zeros(M + 1)
+  storage[1:] = spec.temperature
+  spec.temperature = storage[1:]
+  _run_and_check(spec, sampler, 8)  # prepare() writes it in place
+  copied = not sampler.is_zero_copy("spec.temperature")
+  count = sampler.import_count
+  _run_and_check(spec, sampler, 8)
+  assert sampler.import_count == count + 1 + int(copied)
+
+
+def test_inference_tensors():
+  # vLLM runs under inference_mode: its tensors have no version counter.
+  with torch.inference_mode():
+    spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+    sampler = _sampler_for(spec)
+    _run_and_check(spec, sampler, 5, padding=(3,))
+    _run_and_check(spec, sampler, 8)
+
+
+def test_num_reqs_zero_and_unhandled_configs():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(4)
+  cache0 = spec.draft_logits.values.clone()
+  tokens0 = spec.draft_tokens.clone()
+  assert sampler(spec, 0, hidden) is True
+  values = spec.draft_logits
+  spec.draft_logits = None  # greedy drafting: the engine's own path
+  assert sampler(spec, 4, hidden) is False
+  spec.draft_logits = values
+  spec.model.draft_id_to_target_id = torch.zeros(V, dtype=torch.int64)
+  assert sampler(spec, 4, hidden) is False
+  spec.model.draft_id_to_target_id = None
+  spec.confidence_config = type("C", (), {"enabled": True})()
+  assert sampler(spec, 4, hidden) is False
+  assert torch.equal(spec.draft_logits.values, cache0)
+  assert torch.equal(spec.draft_tokens, tokens0)
+  assert sampler.import_count == 0
+
+
+def _mutations():
+  """(attribute named in the error, mutation of a fresh spec) pairs."""
+  m_s = M * S
+
+  def setter(path, value_fn):
+    def mutate(spec):
+      obj = spec
+      *parents, last = path.split(".")
+      for p in parents:
+        obj = getattr(obj, p)
+      setattr(obj, last, value_fn(spec))
+    return mutate
+
+  def set_weight(which, value_fn):
+    def mutate(spec):
+      layer = getattr(spec.model.model.markov_head, which)
+      layer.weight = torch.nn.Parameter(value_fn(spec), requires_grad=False)
+    return mutate
+
+  meta = torch.device("meta")
+  return [
+      ("spec.sample_idx_mapping",
+       setter("sample_idx_mapping", lambda s: torch.zeros(m_s))),
+      ("spec.sample_idx_mapping",
+       setter("sample_idx_mapping",
+              lambda s: torch.zeros(m_s - 1, dtype=torch.int32))),
+      ("spec.sample_idx_mapping",
+       setter("sample_idx_mapping",
+              lambda s: torch.zeros(M, S + 1, dtype=torch.int32))),
+      ("spec.sample_pos",
+       setter("sample_pos",
+              lambda s: torch.zeros(2 * m_s, dtype=torch.int64)[::2])),
+      ("spec.seeds", setter("seeds", lambda s: torch.zeros(M))),
+      ("spec.temperature", setter("temperature", lambda s: torch.zeros(M + 1))),
+      ("spec.temperature",
+       setter("temperature", lambda s: torch.zeros(M, dtype=torch.float64))),
+      ("spec.input_buffers.input_ids",
+       setter("input_buffers.input_ids",
+              lambda s: torch.zeros(30, dtype=torch.int32, device=meta))),
+      ("spec._anchor_idx",
+       setter("_anchor_idx", lambda s: torch.zeros(M - 1, dtype=torch.int64))),
+      ("spec.draft_logits.values",
+       setter("draft_logits.values", lambda s: torch.zeros(M, S, V + 1))),
+      ("spec.draft_logits.values",
+       setter("draft_logits.values",
+              lambda s: torch.zeros(M, S, V, dtype=torch.float16))),
+      ("spec.draft_tokens",
+       setter("draft_tokens", lambda s: torch.zeros(M, S - 1, dtype=torch.int64))),
+      ("spec.draft_tokens",
+       setter("draft_tokens", lambda s: torch.zeros(M, S))),
+      ("spec.sample_indices",
+       setter("sample_indices", lambda s: torch.zeros(m_s))),
+      ("spec.model.model.markov_head.markov_w2.weight",
+       set_weight("markov_w2", lambda s: torch.zeros(V, R, dtype=torch.bfloat16))),
+      ("spec.model.model.markov_head.markov_w1.weight",
+       set_weight("markov_w1", lambda s: torch.zeros(V - 1, R))),
+      ("spec.model.compute_draft_logits",
+       setter("model.compute_draft_logits",
+              lambda s: (lambda h: torch.zeros(h.shape[0], V + 2)))),
+      ("spec.num_speculative_steps", setter("num_speculative_steps",
+                                            lambda s: 0)),
+  ]
+
+
+@pytest.mark.parametrize("name,mutate", _mutations(),
+                         ids=[f"{i}-{n}" for i, (n, _) in
+                              enumerate(_mutations())])
+def test_bad_input_names_the_attribute(name, mutate):
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(4)
+  mutate(spec)
+  with pytest.raises(tb.BridgeInputError, match=name.replace(".", r"\.")):
+    sampler(spec, 4, hidden)
+
+
+def test_bad_num_reqs_and_constructor_args():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(4)
+  with pytest.raises(tb.BridgeInputError, match="num_reqs"):
+    sampler(spec, M + 1, hidden)
+  with pytest.raises(ValueError, match="dtype"):
+    tb.FusedMarkovSampler(M, V, R, torch.int32)
+  with pytest.raises(ValueError, match="on_capture"):
+    tb.FusedMarkovSampler(M, V, R, "float32", on_capture="ignore")
+
+
+def test_check_values():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec, check_values=True)
+  _run_and_check(spec, sampler, 4, padding=(1,))
+  hidden = spec.prepare(4)
+  spec.sample_idx_mapping[S + 1] = 7  # request 1 would use two state rows
+  with pytest.raises(tb.BridgeInputError, match="spec.sample_idx_mapping"):
+    sampler(spec, 4, hidden)
+  hidden = spec.prepare(4)
+  spec.input_buffers.input_ids[spec._anchor_idx[2]] = V + 5  # past V_in
+  with pytest.raises(tb.BridgeInputError, match="input_ids"):
+    sampler(spec, 4, hidden)
+
+
+def test_preallocation_env_is_set():
+  # Set on import unless the user chose a value.
+  assert os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE") is not None
+  assert tb.check_preallocation() in (True, False)
+  if jax.default_backend() == "cpu":
+    assert tb.check_preallocation()
+
+
+# ----------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_gpu_matches_jm_and_torch_loop(config):
+  _, sampler = _matches(config, "cuda", "gpu")
+  for slot in ("spec.seeds", "spec.sample_idx_mapping", "spec.temperature",
+               "spec.draft_logits.values",
+               "spec.model.model.markov_head.markov_w2.weight"):
+    assert sampler.is_zero_copy(slot), slot
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
+@pytest.mark.parametrize("side_stream", [False, True])
+def test_gpu_stream_ordering(side_stream):
+  """Torch writes queued right before the call are seen; results are seen
+  by torch work queued right after; writes right after do not leak in."""
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R,
+                             device="cuda")
+  sampler = _sampler_for(spec)
+  stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
+  n = 6
+  for trial in range(3):
+    hidden = spec.prepare(n, padding=(trial,))
+    x = spec.inputs(n, hidden)
+    names = ("seeds", "temperature", "sample_idx_mapping", "sample_pos")
+    real = {k: getattr(spec, k).clone() for k in names}
+    real_ids = spec.input_buffers.input_ids.clone()
+    cache0 = spec.draft_logits.values.clone()
+    tokens0 = spec.draft_tokens.clone()
+    # Garbage in every input, then the real values behind a long GPU sleep.
+    spec.seeds.fill_(12345)
+    spec.temperature.fill_(0.0)
+    spec.sample_idx_mapping.fill_(0)
+    spec.sample_pos.fill_(1)
+    spec.input_buffers.input_ids.fill_(0)
+    torch.cuda.synchronize()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+      torch.cuda._sleep(100_000_000)  # pylint: disable=protected-access
+      for k in names:
+        getattr(spec, k).copy_(real[k])
+      spec.input_buffers.input_ids.copy_(real_ids)
+      assert sampler(spec, n, hidden)
+      # Right after: read the results, then clobber the inputs.
+      got_tokens = spec.draft_tokens.clone()
+      got_cache = spec.draft_logits.values.clone()
+      spec.seeds.fill_(-1)
+      spec.temperature.fill_(7.0)
+      spec.input_buffers.input_ids.fill_(1)
+    torch.cuda.synchronize()
+    _check(spec, x, n, got_tokens.cpu(), got_cache.cpu(), cache0.cpu(),
+           tokens0.cpu(), "gpu")
+    for k in names:
+      getattr(spec, k).copy_(real[k])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
+def test_gpu_cpu_tensor_beside_cuda_ones():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R,
+                             device="cuda")
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(4)
+  spec.seeds = spec.seeds.cpu()
+  with pytest.raises(tb.BridgeInputError, match=r"spec\.seeds.*cpu"):
+    sampler(spec, 4, hidden)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
+def test_gpu_capture_is_refused():
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R,
+                             device="cuda")
+  hidden = spec.prepare(4)
+  torch.cuda.synchronize()
+  for on_capture in ("raise", "fallback"):
+    sampler = _sampler_for(spec, on_capture=on_capture)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    result = []
+    with torch.cuda.stream(stream):
+      graph.capture_begin()
+      try:
+        result.append(sampler(spec, 4, hidden))
+      except RuntimeError as e:
+        result.append(e)
+      finally:
+        graph.capture_end()
+    if on_capture == "raise":
+      assert isinstance(result[0], RuntimeError)
+      assert "capture" in str(result[0])
+    else:
+      assert result[0] is False

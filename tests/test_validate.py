@@ -1,0 +1,105 @@
+"""Bad input raises a clear error before anything compiles."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_markov as jm
+from helpers import make_problem
+
+
+@pytest.fixture
+def args():
+  return make_problem(3, 2, 50, 4, seed=30)
+
+
+def _call(args, **over):
+  names = ["base", "anchor", "head", "temperature", "seeds", "positions"]
+  kw = dict(zip(names, args))
+  kw.update(over)
+  return jm.sample_draft(*[kw[n] for n in names])
+
+
+@pytest.mark.parametrize("over,exc,match", [
+    (dict(base=jnp.zeros((3, 50))), ValueError, r"base_logits must be \[B, S, V\]"),
+    (dict(base=jnp.zeros((3, 2, 50), jnp.int32)), TypeError, "base_logits must be bf16"),
+    (dict(anchor=jnp.zeros((4,), jnp.int32)), ValueError, r"anchor_tokens must be \[B\]"),
+    (dict(anchor=jnp.zeros((3,), jnp.float32)), TypeError, "anchor_tokens must be integers"),
+    (dict(anchor=jnp.array([0, 50, 1])), ValueError, "outside the embedding table"),
+    (dict(anchor=np.array([-1, 0, 1])), ValueError, "outside the embedding table"),
+    (dict(temperature=jnp.array([1.0, -0.5, 0.0])), ValueError, "temperature must be >= 0"),
+    (dict(temperature=jnp.array([1.0, np.nan, 0.0])), ValueError, "NaN"),
+    (dict(temperature=jnp.ones((2,))), ValueError, r"temperature must be \[B\]"),
+    (dict(seeds=np.arange(4)), ValueError, "seeds must be"),
+    (dict(seeds=np.array([1.0, 2.0, 3.0])), TypeError, "seeds must be integers"),
+    (dict(positions=jnp.zeros((3, 3), jnp.int32)), ValueError, r"positions must be \[B, S\]"),
+    (dict(positions=jnp.zeros((3, 2), jnp.float32)), TypeError, "positions must be integers"),
+    (dict(positions=-jnp.ones((3, 2), jnp.int32)), ValueError, "positions must be >= 0"),
+])
+def test_bad_arguments(args, over, exc, match):
+  with pytest.raises(exc, match=match):
+    _call(args, **over)
+
+
+@pytest.mark.parametrize("embed_shape,proj_shape,match", [
+    ((50, 4), (49, 4), "V disagrees"),
+    ((50, 4), (50, 5), "rank R disagrees"),
+    ((40, 4), (50, 4), "V_in must be >= V"),
+    ((50,), (50, 4), r"head.embed must be \[V_in, R\]"),
+])
+def test_bad_head(args, embed_shape, proj_shape, match):
+  head = jm.MarkovHead(jnp.zeros(embed_shape, jnp.bfloat16), jnp.zeros(proj_shape, jnp.bfloat16))
+  with pytest.raises(ValueError, match=match):
+    _call(args, head=head)
+
+
+def test_head_dtypes(args):
+  head = jm.MarkovHead(jnp.zeros((50, 4), jnp.float32), jnp.zeros((50, 4), jnp.bfloat16))
+  with pytest.raises(TypeError, match="share a dtype"):
+    _call(args, head=head)
+
+
+def test_bad_method_and_config(args):
+  with pytest.raises(ValueError, match="method must be one of"):
+    jm.sample_draft(*args, method="gumbel")
+  with pytest.raises(ValueError, match="power of two"):
+    jm.KernelConfig("fused", 16, 100)
+  with pytest.raises(ValueError, match=">= 16"):
+    jm.KernelConfig("fused", 4, 128)
+
+
+def test_into_bad_arguments(args):
+  base, anchor, head, _, seeds, pos = args
+  N = 4
+  cache = jnp.zeros((N, 2, 50), jnp.float32)
+  t = jnp.ones((N,))
+  s = np.arange(N, dtype=np.int64)
+  idx = jnp.array([[0, 0], [1, 1], [2, 2]], jnp.int32)
+  with pytest.raises(ValueError, match=r"cache must be \[N, S, V\]"):
+    jm.sample_draft_into(jnp.zeros((N, 3, 50)), base, anchor, head, t, s, idx, pos)
+  with pytest.raises(TypeError, match="cache must be float32"):
+    jm.sample_draft_into(cache.astype(jnp.bfloat16), base, anchor, head, t, s, idx, pos)
+  with pytest.raises(ValueError, match="idx_map outside"):
+    jm.sample_draft_into(cache, base, anchor, head, t, s, idx.at[0, 0].set(N), pos)
+  with pytest.raises(ValueError, match="names a state row twice"):
+    jm.sample_draft_into(cache, base, anchor, head, t, s, idx.at[1, 0].set(0), pos)
+  with pytest.raises(ValueError, match=r"temperature must be \[N\]"):
+    jm.sample_draft_into(cache, base, anchor, head, jnp.ones((3,)), s, idx, pos)
+  with pytest.raises(ValueError, match="seeds must be"):
+    jm.sample_draft_into(cache, base, anchor, head, t, s[:3], idx, pos)
+  with pytest.raises(TypeError, match="idx_map must be integers"):
+    jm.sample_draft_into(cache, base, anchor, head, t, s, idx.astype(jnp.float32), pos)
+
+
+def test_inside_jit_out_of_range_anchor_is_safe(args):
+  """Inside jit nothing is read: an out-of-range anchor must still give valid tokens."""
+  base, anchor, head, t, seeds, pos = args
+  words = jm.rng.seed_words(seeds)
+
+  @jax.jit
+  def f(anchor):
+    return jm.sample_draft(base, anchor, head, t, words, pos).tokens
+
+  tokens = np.asarray(f(jnp.array([10_000, -7, 3], jnp.int32)))
+  assert ((tokens >= 0) & (tokens < 50)).all()
