@@ -355,7 +355,7 @@ def _run_family(cfg, runner, result, progress):
                     f"shapes with V <= {CPU_MAX_VOCAB} run", progress)
       continue
     for batch in cfg["batches"]:
-      if cfg["deadline"] and time.time() > cfg["deadline"]:
+      if cfg.get("deadline") and time.time() > cfg["deadline"]:
         result.notice("time budget reached: the remaining shapes and "
                       "batches were not run", progress)
         return

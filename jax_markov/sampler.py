@@ -84,7 +84,8 @@ def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
 
   (cache, _), tokens = jax.lax.scan(body, (cache, emb),
                                     jnp.arange(start, S, dtype=jnp.int32),
-                                    unroll=config.unroll)
+                                    unroll=(not interpret if config.unroll is None
+                                            else config.unroll))
   return jnp.concatenate(first + [tokens.T], axis=1), cache
 
 

@@ -249,7 +249,7 @@ def test_token_check_flags_a_mismatch(tmp_path):
       "k: c differs from a in 1 of 4 temperature-0 tokens"]
 
 
-def test_bench_quick_runs_on_cpu(tmp_path, monkeypatch):
+def test_bench_quick_smoke(tmp_path, monkeypatch):
   # On a GPU machine this process's JAX may hold most of the GPU already.
   monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   out = tmp_path / "res.json"

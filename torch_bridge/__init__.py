@@ -246,6 +246,39 @@ _step = jax.jit(_step_impl, static_argnames=("layout",))
 # ----------------------------------------------------------------------------
 
 _MAX_PENDING = 8
+_W1 = "spec.model.model.markov_head.markov_w1.weight"
+_W2 = "spec.model.model.markov_head.markov_w2.weight"
+_CACHE = "spec.draft_logits.values"
+
+
+class _Rule(NamedTuple):
+  """What a spec buffer must be: dtypes, a shape test and its description."""
+  dtypes: tuple
+  shape_ok: Any
+  shape_desc: str
+  contiguous: bool = True
+
+
+def _cache_tensor(dl) -> torch.Tensor:
+  # torch.Tensor has a .values method (sparse), so test the type first.
+  return dl if isinstance(dl, torch.Tensor) else dl.values
+
+
+# The imported spec buffers, in _step's argument order after the base:
+# (name, getter, how it is imported). "words": int32 words of an int tensor;
+# "row0": only the first row of the cache.
+_SLOTS = (
+    (_W1, lambda s: s.model.model.markov_head.markov_w1.weight, "tensor"),
+    (_W2, lambda s: s.model.model.markov_head.markov_w2.weight, "tensor"),
+    ("spec.input_buffers.input_ids", lambda s: s.input_buffers.input_ids,
+     "words"),
+    ("spec._anchor_idx", lambda s: s._anchor_idx, "words"),  # pylint: disable=protected-access
+    ("spec.temperature", lambda s: s.temperature, "tensor"),
+    ("spec.seeds", lambda s: s.seeds, "words"),
+    ("spec.sample_idx_mapping", lambda s: s.sample_idx_mapping, "words"),
+    ("spec.sample_pos", lambda s: s.sample_pos, "words"),
+    (_CACHE, lambda s: _cache_tensor(s.draft_logits), "row0"),
+)
 
 
 class FusedMarkovSampler:
@@ -335,6 +368,7 @@ class FusedMarkovSampler:
     self._free_events: list = []
     self._cache_flat: tuple[tuple, torch.Tensor] | None = None
     self._layout: _Layout | None = None
+    self._rule_cache: dict[int, dict[str, _Rule]] = {}
     self._prealloc_checked = False
 
   # -- public helpers ---------------------------------------------------------
@@ -498,34 +532,61 @@ class FusedMarkovSampler:
       self._n_arrays[key] = arr
     return arr
 
-  def _check(self, name: str, t, dtypes, shape_ok, shape_desc: str,
-             contiguous: bool = True):
-    """Raises BridgeInputError naming ``name`` unless ``t`` fits."""
-    bad = (not isinstance(t, torch.Tensor) or t.device != self._device or
-           t.dtype not in dtypes or not shape_ok(tuple(t.shape)) or
-           (contiguous and not t.is_contiguous()))
-    if bad:
-      layout = " (contiguous)" if contiguous else ""
-      raise BridgeInputError(
-          f"{name}: expected {_dtype_names(dtypes)} {shape_desc}{layout} on "
-          f"{self._device}, got {_describe(t)}")
+  def _rules(self, s_len: int) -> dict[str, _Rule]:
+    """What each spec buffer must be, for S = s_len (built once per S)."""
+    rules = self._rule_cache.get(s_len)
+    if rules is not None:
+      return rules
+    m, vocab, r = self.max_num_reqs, self.vocab_size, self.rank
+    rows_ok = (lambda s: (len(s) == 2 and s[0] >= m and s[1] == s_len) or
+               (len(s) == 1 and s[0] >= m * s_len))
+    rows_desc = f"[max_num_reqs, S] = [{m}, {s_len}] or [{m * s_len}]"
+    rules = {
+        _W1: _Rule((self.dtype,),
+                   lambda s: len(s) == 2 and s[0] >= vocab and s[1] == r,
+                   f"[V_in >= vocab_size = {vocab}, rank = {r}]"),
+        _W2: _Rule((self.dtype,), lambda s: s == (vocab, r),
+                   f"[vocab_size, rank] = [{vocab}, {r}]"),
+        "spec.input_buffers.input_ids": _Rule(
+            _INTS, lambda s: len(s) == 1 and s[0] >= 1, "[num_tokens]"),
+        "spec._anchor_idx": _Rule(_INTS, lambda s: len(s) == 1 and s[0] >= m,
+                                  f"[>= max_num_reqs = {m}]"),
+        "spec.temperature": _Rule(_FLOATS, lambda s: s == (m,),
+                                  f"[max_num_reqs = {m}]"),
+        "spec.seeds": _Rule(_INTS, lambda s: s == (m,),
+                            f"[max_num_reqs = {m}]"),
+        "spec.sample_idx_mapping": _Rule(_INTS, rows_ok, rows_desc),
+        "spec.sample_pos": _Rule(_INTS, rows_ok, rows_desc),
+        _CACHE: _Rule((torch.float32,), lambda s: s == (m, s_len, vocab),
+                      f"[max_num_reqs, S, vocab_size] = [{m}, {s_len}, "
+                      f"{vocab}]"),
+        "spec.draft_tokens": _Rule(
+            _INTS, lambda s: len(s) == 2 and s[0] >= m and s[1] >= s_len,
+            f"[max_num_reqs = {m}, >= S = {s_len}]", contiguous=False),
+        "spec.sample_indices": _Rule(
+            _INTS, lambda s: len(s) == 1 and s[0] >= m * s_len,
+            f"[>= max_num_reqs * S = {m * s_len}]", contiguous=False),
+    }
+    self._rule_cache[s_len] = rules
+    return rules
 
-  def _checked_once(self, name: str, t, *check_args, **check_kwargs):
+  def _check(self, name: str, t, rule: _Rule):
+    """Raises BridgeInputError naming ``name`` unless ``t`` fits ``rule``."""
+    bad = (not isinstance(t, torch.Tensor) or t.device != self._device or
+           t.dtype not in rule.dtypes or not rule.shape_ok(tuple(t.shape)) or
+           (rule.contiguous and not t.is_contiguous()))
+    if bad:
+      layout = " (contiguous)" if rule.contiguous else ""
+      raise BridgeInputError(
+          f"{name}: expected {_dtype_names(rule.dtypes)} {rule.shape_desc}"
+          f"{layout} on {self._device}, got {_describe(t)}")
+
+  def _checked_once(self, name: str, t, s_len: int):
     """_check, skipped while ``t`` keeps the layout it last passed with."""
     key = _dl.tensor_key(t) if isinstance(t, torch.Tensor) else None
     if key is None or self._checked.get(name) != key:
-      self._check(name, t, *check_args, **check_kwargs)
+      self._check(name, t, self._rules(s_len)[name])
       self._checked[name] = key
-
-  def _import(self, name: str, t, words: bool, *check_args) -> jax.Array:
-    """The cached import of a spec buffer; validated and imported on a miss."""
-    if isinstance(t, torch.Tensor):
-      arr = self._imports.lookup(name, t)
-      if arr is not None:
-        return arr
-    self._check(name, t, *check_args)
-    derived = _dl.int32_words(t) if words else t.detach()
-    return self._imports.store(name, t, derived)
 
   def _base_logits(self, spec, n: int, s_len: int, head_hidden):
     """Computes the base logits as the reference hook does; pads to a bucket.
@@ -537,10 +598,7 @@ class FusedMarkovSampler:
     m, vocab = self.max_num_reqs, self.vocab_size
     rows = n * s_len
     sample_indices = spec.sample_indices
-    self._checked_once("spec.sample_indices", sample_indices, _INTS,
-                       lambda s: len(s) == 1 and s[0] >= m * s_len,
-                       f"[>= max_num_reqs * S = {m * s_len}]",
-                       contiguous=False)
+    self._checked_once("spec.sample_indices", sample_indices, s_len)
     base = spec.model.compute_draft_logits(head_hidden[sample_indices[:rows]])
     if (not isinstance(base, torch.Tensor) or base.device != self._device or
         base.dtype not in _FLOATS or tuple(base.shape) != (rows, vocab)):
@@ -565,74 +623,36 @@ class FusedMarkovSampler:
 
   def _cached_args(self, spec, s_len: int):
     """The cached imports of every fixed spec buffer, and the layout flags."""
-    m, vocab, r = self.max_num_reqs, self.vocab_size, self.rank
-    imports_before = self._imports.imports
-    mh = spec.model.model.markov_head
-    w1 = mh.markov_w1.weight
-    w2 = mh.markov_w2.weight
-    w1_j = self._import(
-        "spec.model.model.markov_head.markov_w1.weight", w1, False,
-        (self.dtype,), lambda s: len(s) == 2 and s[0] >= vocab and s[1] == r,
-        f"[V_in >= vocab_size = {vocab}, rank = {r}]")
-    w2_j = self._import(
-        "spec.model.model.markov_head.markov_w2.weight", w2, False,
-        (self.dtype,), lambda s: s == (vocab, r), f"[{vocab}, {r}]")
-    input_ids = spec.input_buffers.input_ids
-    ids_j = self._import("spec.input_buffers.input_ids", input_ids, True,
-                         _INTS, lambda s: len(s) == 1 and s[0] >= 1,
-                         "[num_tokens]")
-    anchor_idx = spec._anchor_idx  # pylint: disable=protected-access
-    anchor_j = self._import("spec._anchor_idx", anchor_idx, True, _INTS,
-                            lambda s: len(s) == 1 and s[0] >= m,
-                            f"[>= max_num_reqs = {m}]")
-    temperature = spec.temperature
-    temp_j = self._import("spec.temperature", temperature, False, _FLOATS,
-                          lambda s: s == (m,), f"[max_num_reqs = {m}]")
-    seeds = spec.seeds
-    seeds_j = self._import("spec.seeds", seeds, True, _INTS,
-                           lambda s: s == (m,), f"[max_num_reqs = {m}]")
-    rows_ok = (lambda s: (len(s) == 2 and s[0] >= m and s[1] == s_len) or
-               (len(s) == 1 and s[0] >= m * s_len))
-    rows_desc = f"[max_num_reqs, S] = [{m}, {s_len}] or [{m * s_len}]"
-    idx_map = spec.sample_idx_mapping
-    idx_j = self._import("spec.sample_idx_mapping", idx_map, True, _INTS,
-                         rows_ok, rows_desc)
-    sample_pos = spec.sample_pos
-    pos_j = self._import("spec.sample_pos", sample_pos, True, _INTS, rows_ok,
-                         rows_desc)
-    cache = self._cache_tensor(spec.draft_logits)
-    row0 = self._imports.lookup("spec.draft_logits.values", cache)
-    if row0 is None:
-      self._check("spec.draft_logits.values", cache, (torch.float32,),
-                  lambda s: s == (m, s_len, vocab),
-                  f"[max_num_reqs, S, vocab_size] = [{m}, {s_len}, {vocab}]")
-      row0 = self._imports.store("spec.draft_logits.values", cache,
-                                 cache.detach()[0, 0])
-    self._checked_once("spec.draft_tokens", spec.draft_tokens, _INTS,
-                       lambda s: len(s) == 2 and s[0] >= m and s[1] >= s_len,
-                       f"[max_num_reqs = {m}, >= S = {s_len}]",
-                       contiguous=False)
+    imports = self._imports
+    imports_before = imports.imports
+    arrays = []
+    for name, get, kind in _SLOTS:
+      t = get(spec)
+      arr = imports.lookup(name, t) if isinstance(t, torch.Tensor) else None
+      if arr is None:  # new or changed buffer: validate, then import
+        self._check(name, t, self._rules(s_len)[name])
+        if kind == "words":
+          derived = _dl.int32_words(t)
+        elif kind == "row0":  # only cache[0, 0] is read, see _step_impl
+          derived = t.detach()[0, 0]
+        else:
+          derived = t.detach()
+        arr = imports.store(name, t, derived)
+      arrays.append(arr)
+    self._checked_once("spec.draft_tokens", spec.draft_tokens, s_len)
     layout = self._layout
-    if layout is None or self._imports.imports != imports_before:
+    if layout is None or imports.imports != imports_before:
       # Dtypes can only have changed with a re-import.
+      wide = [get(spec).dtype == torch.int64 for _, get, _ in _SLOTS[2:]]
       layout = self._layout = _Layout(
-          idx_wide=idx_map.dtype == torch.int64,
-          pos_wide=sample_pos.dtype == torch.int64,
-          anchor_wide=anchor_idx.dtype == torch.int64,
-          ids_wide=input_ids.dtype == torch.int64,
-          seeds_wide=seeds.dtype == torch.int64,
+          ids_wide=wide[0], anchor_wide=wide[1], seeds_wide=wide[3],
+          idx_wide=wide[4], pos_wide=wide[5],
           interpret=True if self._device.type == "cpu" else None)
-    return (w1_j, w2_j, ids_j, anchor_j, temp_j, seeds_j, idx_j, pos_j,
-            row0), layout
-
-  @staticmethod
-  def _cache_tensor(dl) -> torch.Tensor:
-    # torch.Tensor has a .values method (sparse), so test the type first.
-    return dl if isinstance(dl, torch.Tensor) else dl.values
+    return tuple(arrays), layout
 
   def _flat_cache(self, dl) -> torch.Tensor:
     """``spec.draft_logits.values`` viewed as [M * S, V] (validated before)."""
-    cache = self._cache_tensor(dl)
+    cache = _cache_tensor(dl)
     key = _dl.tensor_key(cache)
     if self._cache_flat is None or self._cache_flat[0] != key:
       self._cache_flat = (key, cache.view(-1, cache.shape[-1]))

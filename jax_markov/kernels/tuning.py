@@ -29,9 +29,10 @@ class KernelConfig:
     block_k: rank columns per dot, fused only (power of two >= 16).
     num_warps, num_stages: Triton parameters of the block pass.
     select_warps: Triton warps of the select pass.
-    unroll: unroll the scan over steps. On GPU a rolled loop reads its trip
-      predicate back to the host every step; unrolled, all 2S launches are
-      queued at once.
+    unroll: unroll the scan over steps; None: unroll when compiled. On GPU a
+      rolled loop reads its trip predicate back to the host every step;
+      unrolled, all 2S launches are queued at once. The interpreter compiles
+      faster rolled.
   """
   method: str = "fused"
   block_b: int = 16
@@ -40,7 +41,7 @@ class KernelConfig:
   num_warps: int = 4
   num_stages: int = 1
   select_warps: int = 4
-  unroll: bool = True
+  unroll: bool | None = None
 
   def __post_init__(self):
     if self.method not in METHODS:

@@ -1,0 +1,412 @@
+"""Vocabulary-parallel sampling: the S-step sampler with V sharded over a mesh axis.
+
+Layout (n devices along the mesh axis ``axis``; V_pad = V rounded up to a
+multiple of n, V_loc = V_pad / n; shard i holds columns [i * V_loc, (i+1) * V_loc)):
+
+* base_logits [B, S, V]   sharded along V   (PartitionSpec(None, None, axis))
+* head.proj   [V, R]      sharded along V   (PartitionSpec(axis, None))
+* head.embed  [V_in, R]   replicated        (the lookup of the drawn token is local)
+* the cache / returned logits [B, S, V] sharded along V, like base_logits
+* anchors, temperature, seeds, positions, tokens: replicated
+
+One step on every device, inside ``shard_map`` over a ``lax.scan`` of the S steps:
+
+1. the Pallas block pass (the same kernel as the single-device sampler) on the
+   local shard: the logits of V_loc columns go to the local cache shard, and
+   per vocabulary block and request the statistics (max, sum of exp) come out;
+2. the statistics are all-gathered over ``axis`` (the only float exchange);
+3. every device combines the same gathered statistics with the same u, so every
+   device reaches the same decision: the global max m, the normaliser Z and the
+   device that holds the draw (for T == 0: the first maximum);
+4. that device finds the token in its local cache shard (level 2 of the
+   inverse CDF: one block of logits read back), the others contribute 0, and a
+   psum of the int32 token gives every device the token;
+5. every device looks the token up in its replicated embedding table: the next
+   step's embeddings, with no further exchange.
+
+Two exchanges (``exchange=``):
+
+* ``"shards"`` (default): each device reduces its blocks to one (max, sum) per
+  request, so a step gathers 2 float32 per request per device; the owning
+  device then walks its own blocks. The inverse CDF runs over the concatenated
+  vocabulary in order, so the token is the single-device sampler's up to
+  float32 summation order (the masses are summed per shard first).
+* ``"blocks"``: the per-block (max, sum) are gathered, 2 float32 per request
+  per block, and every device runs the single-device select pass's block-level
+  arithmetic on them. When V_loc is a multiple of the block size (the blocks
+  are then the single-device sampler's), the sums are the same sums in the
+  same order: on the CPU interpreter the tokens are bit-for-bit the
+  single-device sampler's.
+
+What runs as Pallas: the block pass (the whole read of base logits and proj,
+the bias dot, the cache write and the block statistics). The combination of
+statistics and the level-2 search over one block (B * block_v logits) are jnp
+in the same jitted program, mirroring ``kernels/select_pass.py`` step for step
+(the Pallas select pass reads the block at ``k * block_v`` of a full-V cache,
+which a shard does not hold).
+
+A V that n does not divide is padded to V_pad with -inf base columns and zero
+proj rows (never drawn: their probability is 0 and, all -inf rows aside, they
+are never a maximum) and the logits are sliced back to V on return.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jax_markov import rng, validate
+from jax_markov.head import Draft, MarkovHead
+from jax_markov.kernels import tuning
+from jax_markov.kernels.block_pass import block_pass
+
+EXCHANGES = ("shards", "blocks")
+
+
+def _shard_map(f, mesh, in_specs, out_specs):
+  """jax.shard_map (JAX >= 0.6) or jax.experimental.shard_map, checks off.
+
+  The replication check is off because pallas_call has no replication rule in
+  every JAX version; the replicated outputs (the tokens) are psum results.
+  """
+  if hasattr(jax, "shard_map"):
+    params = inspect.signature(jax.shard_map).parameters
+    kwargs = {}
+    for name in ("check_vma", "check_rep"):
+      if name in params:
+        kwargs[name] = False
+        break
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         **kwargs)
+  from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
+  return shard_map(f, mesh, in_specs, out_specs, check_rep=False)
+
+
+def _first_index(hit: jax.Array, n: int) -> jax.Array:
+  """The first index along axis 0 where ``hit`` holds, clamped to n - 1. [B]."""
+  idx = jnp.arange(n, dtype=jnp.int32)[:, None]
+  return jnp.minimum(jnp.min(jnp.where(hit, idx, n), axis=0), n - 1)
+
+
+def _walk(mass: jax.Array, target: jax.Array, offset: jax.Array):
+  """Level 1 of the inverse CDF over segments (blocks or shards).
+
+  As in the select pass: the first segment whose running mass (plus the mass
+  ``offset`` before the first segment) exceeds ``target``, clamped to the last
+  segment with positive mass so float32 rounding never lands on a segment
+  holding only -inf logits.
+
+  Args:
+    mass: float32 [n, B], >= 0.
+    target: float32 [B], u * Z.
+    offset: float32 [B] or scalar, the mass before segment 0.
+
+  Returns:
+    (k int32 [B] in [0, n), prefix float32 [B]: offset + mass before k).
+  """
+  n = mass.shape[0]
+  idx = jnp.arange(n, dtype=jnp.int32)[:, None]
+  running = jax.lax.cumsum(mass, axis=0) + offset
+  k = jnp.sum((running <= target).astype(jnp.int32), axis=0)
+  last = jnp.max(jnp.where(mass > 0, idx, -1), axis=0)
+  k = jnp.clip(jnp.minimum(k, last), 0, n - 1)
+  prefix = offset + jnp.sum(jnp.where(idx < k, mass, 0.0), axis=0)
+  return k, prefix
+
+
+def _finite(x):
+  return (x > -jnp.inf) & (x < jnp.inf)
+
+
+def _decide_blocks(bmax, bsum, u, greedy, *, axis: str, shard, num_local: int):
+  """Gathers the block statistics; returns the owner's local block and sums.
+
+  Every device computes the same values from the same gathered statistics:
+  the arithmetic of ``select_pass`` over the blocks in vocabulary order.
+
+  Returns:
+    (owner int32 [B], local block int32 [B] (meaningful on the owner),
+     greedy bool [B], m_safe, prefix, target float32 [B]).
+  """
+  stats = jax.lax.all_gather(jnp.stack([bmax, bsum]), axis, axis=1,
+                             tiled=True)                  # [2, NB, B]
+  gmax, gsum = stats[0], stats[1]
+  num_blocks = gmax.shape[0]
+  m = jnp.max(gmax, axis=0)
+  finite = _finite(m)
+  greedy = (greedy != 0) | ~finite
+  first_max = _first_index(gmax == m, num_blocks)
+  m_safe = jnp.where(finite, m, 0.0)
+  mass = gsum * jnp.exp(gmax - m_safe)
+  target = u * jnp.max(jax.lax.cumsum(mass, axis=0), axis=0)
+  k, prefix = _walk(mass, target, 0.0)
+  block = jnp.where(greedy, first_max, k)
+  return (block // num_local, block - shard * num_local, greedy, m_safe,
+          prefix, target)
+
+
+def _decide_shards(bmax, bsum, u, greedy, *, axis: str, shard, num_local: int):
+  """Gathers one (max, sum) per request and shard; same returns as above.
+
+  The owner shard is chosen over the shards' masses; the local block over the
+  owner's own block statistics, each device computing it for its own shard.
+  """
+  del num_local
+  local_max = jnp.max(bmax, axis=0)                             # [B]
+  local_safe = jnp.where(_finite(local_max), local_max, 0.0)
+  local_sum = jnp.sum(bsum * jnp.exp(bmax - local_safe), axis=0)
+  stats = jax.lax.all_gather(jnp.stack([local_max, local_sum]), axis,
+                             axis=1)                            # [2, n, B]
+  smax, ssum = stats[0], stats[1]
+  num_shards = smax.shape[0]
+  m = jnp.max(smax, axis=0)
+  finite = _finite(m)
+  greedy = (greedy != 0) | ~finite
+  m_safe = jnp.where(finite, m, 0.0)
+  # A shard with a +inf or all -inf max only matters when m is not finite,
+  # where the draw is greedy and its (inf or nan) mass is not read.
+  mass = ssum * jnp.exp(smax - m_safe)
+  target = u * jnp.max(jax.lax.cumsum(mass, axis=0), axis=0)
+  owner_sampled, shard_prefix = _walk(mass, target, 0.0)
+  owner_greedy = _first_index(smax == m, num_shards)
+  owner = jnp.where(greedy, owner_greedy, owner_sampled)
+  # The local walk, right on the owner (its shard_prefix is the mass of the
+  # shards before it), ignored elsewhere.
+  block_mass = bsum * jnp.exp(bmax - m_safe)
+  k, prefix = _walk(block_mass, target, shard_prefix)
+  first_max = _first_index(bmax == m, bmax.shape[0])
+  block = jnp.where(greedy, first_max, k)
+  return owner, block, greedy, m_safe, prefix, target
+
+
+def _pick(cache, rows, barg, block, greedy, m_safe, prefix, target, scale, *,
+          block_v: int, vocab_local: int):
+  """Level 2 on this shard: the token within local ``block``. int32 [B], local id.
+
+  The select pass's level 2: read block ``block`` of each request's cache row,
+  the first column whose running mass (plus ``prefix``) exceeds ``target``.
+  """
+  num_local, batch = barg.shape
+  b = jnp.arange(batch)
+  block = jnp.clip(block, 0, num_local - 1)
+  block_arg = barg[block, b]
+  v0 = block * block_v
+  col = jnp.arange(block_v, dtype=jnp.int32)
+  cols = v0[:, None] + col[None, :]                             # [B, block_v]
+  v_mask = cols < vocab_local
+  x = cache[rows[:, None], jnp.minimum(cols, vocab_local - 1)]
+  x = jnp.where(v_mask, x, -jnp.inf)
+  y = jnp.where(x == x, x, -jnp.inf) * scale[:, None]
+  y = jnp.where(v_mask, y, -jnp.inf)
+  p = jnp.exp(y - m_safe[:, None])
+  running = jax.lax.cumsum(p, axis=1) + prefix[:, None]
+  idx = jnp.sum((running <= target[:, None]).astype(jnp.int32), axis=1)
+  last = jnp.max(jnp.where(p > 0, col[None, :], -1), axis=1)
+  # p can underflow to 0 in a block whose mass was positive: that block's own
+  # argmax is then the drawable token left.
+  sampled = jnp.where(last >= 0, v0 + jnp.minimum(idx, last), block_arg)
+  return jnp.where(greedy, block_arg, sampled)
+
+
+def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
+                 axis: str, vocab: int, exchange: str,
+                 config: tuning.KernelConfig, interpret: bool):
+  """The body of the shard_map: the S steps on one device's shard.
+
+  Args:
+    base: [B, S, V_loc] this shard's base logits; proj: [V_loc, R] its rows.
+    embed: [V_in, R] (replicated); anchor_tokens: int32 [B].
+    scale, greedy, u: [B, S] per draw (replicated).
+
+  Returns:
+    (tokens int32 [B, S], identical on every device; cache float32
+    [B * S, V_loc], this shard's logits, rows request-major).
+  """
+  B, S, vocab_local = base.shape
+  shard = jax.lax.axis_index(axis).astype(jnp.int32)
+  offset = shard * vocab_local
+  base_flat = base.reshape(B * S, vocab_local)
+  row_ids = jnp.arange(B, dtype=jnp.int32) * S
+  num_local = -(-vocab_local // config.block_v)
+  decide = _decide_shards if exchange == "shards" else _decide_blocks
+  gemm_precision = (jax.lax.Precision.HIGHEST if proj.dtype == jnp.float32
+                    else jax.lax.Precision.DEFAULT)
+
+  def step(cache, emb, s):
+    rows = row_ids + s
+    if config.method == "fused":
+      bias_or_head = (emb, proj)
+    else:
+      bias_or_head = (jax.lax.dot_general(
+          emb, proj, (((1,), (1,)), ((), ())), precision=gemm_precision,
+          preferred_element_type=jnp.float32),)
+    cache, bmax, bsum, barg = block_pass(
+        base_flat, bias_or_head, rows, rows, scale[:, s], cache,
+        num_cache_rows=B * S, block_b=config.block_b, block_v=config.block_v,
+        block_k=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages, interpret=interpret)
+    owner, block, is_greedy, m_safe, prefix, target = decide(
+        bmax, bsum, u[:, s], greedy[:, s], axis=axis, shard=shard,
+        num_local=num_local)
+    local = _pick(cache, rows, barg, block, is_greedy, m_safe, prefix, target,
+                  scale[:, s], block_v=config.block_v, vocab_local=vocab_local)
+    # Exactly one device owns each draw: the sum is its token.
+    tokens = jax.lax.psum(jnp.where(owner == shard, local + offset, 0), axis)
+    tokens = jnp.clip(tokens, 0, vocab - 1)  # padding columns are never drawn
+    return cache, embed[tokens], tokens
+
+  cache, emb, tokens0 = step(None, embed[anchor_tokens], 0)
+  if S == 1:
+    return tokens0[:, None], cache
+
+  def body(carry, s):
+    cache, emb = carry
+    cache, emb, tokens = step(cache, emb, s)
+    return (cache, emb), tokens
+
+  (cache, _), tokens = jax.lax.scan(body, (cache, emb),
+                                    jnp.arange(1, S, dtype=jnp.int32))
+  return jnp.concatenate([tokens0[:, None], tokens.T], axis=1), cache
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "axis", "exchange",
+                                             "config", "interpret"))
+def _sample_draft_sharded(base, anchor_tokens, head, temperature, words,
+                          positions, *, mesh, axis, exchange, config,
+                          interpret):
+  B, S, V = base.shape
+  n = mesh.shape[axis]
+  pad = -V % n
+  proj = head.proj
+  if pad:
+    # -inf logits have probability 0 and are never a maximum over a row
+    # holding any other value; zero proj rows keep the bias finite there.
+    base = jnp.pad(base, ((0, 0), (0, 0), (0, pad)), constant_values=-jnp.inf)
+    proj = jnp.pad(proj, ((0, pad), (0, 0)))
+  u = rng.uniforms_from_words(words, positions)
+  t = jnp.broadcast_to(temperature.astype(jnp.float32)[:, None], (B, S))
+  is_greedy = t == 0
+  scale = jnp.where(is_greedy, 1.0, 1.0 / jnp.where(is_greedy, 1.0, t))
+  body = functools.partial(_local_steps, axis=axis, vocab=V,
+                           exchange=exchange, config=config,
+                           interpret=interpret)
+  fn = _shard_map(
+      body, mesh,
+      in_specs=(P(None, None, axis), P(axis, None), P(), P(), P(), P(), P()),
+      out_specs=(P(), P(None, axis)))
+  tokens, cache = fn(base, proj, head.embed, anchor_tokens.astype(jnp.int32),
+                     scale, is_greedy.astype(jnp.int32), u)
+  logits = cache.reshape(B, S, V + pad)
+  if pad:
+    logits = logits[:, :, :V]
+  return Draft(tokens, logits)
+
+
+def _interpret_default(interpret: bool | None, mesh: Mesh) -> bool:
+  if interpret is not None:
+    return interpret
+  return mesh.devices.flat[0].platform != "gpu"
+
+
+def vocab_sharding(mesh: Mesh, axis: str = "vocab"):
+  """The shardings :func:`sample_draft_sharded` expects its arrays in.
+
+  Args:
+    mesh: the device mesh; axis: the mesh axis that shards the vocabulary.
+
+  Returns:
+    dict of NamedSharding: "base_logits" and "logits" ([B, S, V] split along
+    V), "proj" ([V, R] split along V), "replicated" (embed and every per
+    request array).
+  """
+  return {
+      "base_logits": NamedSharding(mesh, P(None, None, axis)),
+      "logits": NamedSharding(mesh, P(None, None, axis)),
+      "proj": NamedSharding(mesh, P(axis, None)),
+      "replicated": NamedSharding(mesh, P()),
+  }
+
+
+def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
+                         temperature, seeds, positions, *, mesh: Mesh,
+                         axis: str = "vocab", exchange: str = "shards",
+                         interpret: bool | None = None,
+                         method: str | None = None,
+                         config: tuning.KernelConfig | None = None,
+                         check_values: bool = True) -> Draft:
+  """Drafts S tokens per request with the vocabulary sharded over a mesh axis.
+
+  The same draws as :func:`jax_markov.sample_draft` (same logits, same rule,
+  same uniforms), with base_logits, head.proj and the returned logits split
+  along V over the ``n = mesh.shape[axis]`` devices of ``axis``; head.embed is
+  replicated. One jitted call: a shard_map over the lax.scan of the S steps.
+  Per step each device exchanges only block statistics (an all-gather) and the
+  drawn tokens (a psum of int32 [B]); see the module docstring and
+  docs/sharded.md.
+
+  Args:
+    base_logits: [B, S, V] bf16, fp16 or fp32, ideally placed with
+      ``NamedSharding(mesh, P(None, None, axis))`` (other placements are
+      resharded by the call).
+    anchor_tokens: int [B], the token before the first draft position.
+    head: MarkovHead; proj [V, R] ideally ``P(axis, None)``, embed [V_in, R]
+      replicated (``P()``).
+    temperature: float [B] >= 0; 0 draws the argmax (lowest index on ties).
+    seeds: [B] integer seeds, or uint32 [B, 2]; see
+      :func:`jax_markov.rng.seed_words`.
+    positions: int [B, S] >= 0, the position each draw is keyed by.
+    mesh: a ``jax.sharding.Mesh`` holding ``axis``. Other mesh axes see
+      replicated arrays (every device of them runs the same work).
+    axis: the mesh axis that shards the vocabulary.
+    exchange: "shards" (2 float32 per request and device per step) or
+      "blocks" (2 float32 per request and vocabulary block; bit-for-bit the
+      single-device block arithmetic when V / n is a multiple of block_v).
+    interpret: run the Pallas kernels in interpret mode; None picks it unless
+      the mesh's devices are GPUs.
+    method: "fused" or "reference", as in :func:`jax_markov.sample_draft`;
+      None picks by the tuning table for the per-shard vocabulary.
+    config: a full launch configuration (its block_v applies per shard).
+    check_values: read concrete arguments to check their values.
+
+  Returns:
+    Draft(tokens int32 [B, S] replicated, logits float32 [B, S, V] sharded
+    along V over ``axis`` when n divides V).
+
+  Raises:
+    ValueError / TypeError: bad shapes, dtypes or values (as sample_draft), a
+      mesh without ``axis``, or an unknown ``exchange``.
+    V need not be a multiple of n: the vocabulary is padded inside the call
+    with -inf base columns and zero proj rows, which are never drawn, and the
+    logits are sliced back to V (then their sharding is XLA's choice).
+  """
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if axis not in mesh.axis_names:
+    raise ValueError(f"axis {axis!r} is not an axis of the mesh "
+                     f"{tuple(mesh.axis_names)}")
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+  B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
+                                  check_values=check_values)
+  validate.check_temperature(temperature, B, "B", check_values=check_values)
+  words = rng.seed_words(seeds)
+  validate.check_seed_words(words, B, "B")
+  interpret = _interpret_default(interpret, mesh)
+  n = mesh.shape[axis]
+  vocab_local = -(-V // n)
+  if config is None:
+    config = tuning.choose(method, B, vocab_local, head.rank,
+                           interpret=interpret)
+  elif method is not None and method != config.method:
+    raise ValueError(f"method={method!r} disagrees with config.method="
+                     f"{config.method!r}")
+  return _sample_draft_sharded(
+      base_logits if isinstance(base_logits, jax.Array)
+      else jnp.asarray(base_logits),
+      jnp.asarray(anchor_tokens), head, jnp.asarray(temperature), words,
+      jnp.asarray(positions), mesh=mesh, axis=axis, exchange=exchange,
+      config=config, interpret=interpret)
