@@ -24,7 +24,8 @@ buffer donation can update a DLPack-imported torch buffer in place.
 
 Run from the repository root on the GPU machine:
 
-  python benchmarks/bridge_overhead.py --out benchmarks/results/bridge_overhead.json
+  python benchmarks/bridge_overhead.py \
+      --out benchmarks/results/bridge_overhead.json
 
 Options: --batches 1 64 48 (48 pads to the bucket 64), --vocab, --rank,
 --steps, --hidden, --max-num-reqs, --dtype, --iters, --probe-donation.
@@ -43,7 +44,8 @@ import time
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
 
-import torch_bridge as tb  # pylint: disable=g-import-not-at-top  (sets env first)
+# torch_bridge first: it sets XLA_PYTHON_CLIENT_PREALLOCATE before JAX starts.
+import torch_bridge as tb  # pylint: disable=g-import-not-at-top
 from torch_bridge import dlpack as tbdl  # pylint: disable=g-import-not-at-top
 
 import jax  # pylint: disable=g-import-not-at-top
@@ -98,7 +100,7 @@ def pipelined(fn, iters):
   return round(wall, 2), round(start.elapsed_time(end) * 1e3 / iters, 2)
 
 
-def phases(sampler, spec, n, hidden, iters):
+def phases(sampler, spec, n, hidden, iters):  # pylint: disable=protected-access
   """Host time of each phase of a call (mirrors FusedMarkovSampler.__call__)."""
   names = ["base_logits", "cached_args", "import_base", "jax_dispatch",
            "exports", "torch_copies", "event"]
@@ -110,14 +112,14 @@ def phases(sampler, spec, n, hidden, iters):
     held.clear()
     t = [time.perf_counter()]
     with torch.no_grad():
-      base_src, base = sampler._base_logits(spec, n, s_len, hidden)  # pylint: disable=protected-access
+      base_src, base = sampler._base_logits(spec, n, s_len, hidden)
       t.append(time.perf_counter())
-      args, layout = sampler._cached_args(spec, s_len)  # pylint: disable=protected-access
+      args, layout = sampler._cached_args(spec, s_len)
       t.append(time.perf_counter())
       base_j = tbdl.import_tensor(base_src)
       t.append(time.perf_counter())
-      ints, logits = tb._step(base_j, *args,  # pylint: disable=protected-access
-                              sampler._n_array(base_j.device, n),  # pylint: disable=protected-access
+      ints, logits = tb._step(base_j, *args,
+                              sampler._n_array(base_j.device, n),
                               layout=layout)
       t.append(time.perf_counter())
       ints_t = tbdl.export_array(ints)
@@ -128,7 +130,7 @@ def phases(sampler, spec, n, hidden, iters):
       dst = ints_t[:2 * bp * s_len].view(torch.int64)[:rows]
       tokens = ints_t[2 * bp * s_len:].view(bp, s_len)[:n]
       spec.draft_tokens[:n, :s_len].copy_(tokens)
-      sampler._flat_cache(spec.draft_logits).index_copy_(0, dst,  # pylint: disable=protected-access
+      sampler._flat_cache(spec.draft_logits).index_copy_(0, dst,
                                                          logits_t[:rows])
       t.append(time.perf_counter())
       if _CUDA:
@@ -148,7 +150,7 @@ def eager_loop(spec, n, hidden):
     base = spec.model.compute_draft_logits(
         hidden[spec.sample_indices[:n * s_len]]).view(n, s_len, -1)
     idx = spec.sample_idx_mapping.view(-1)[:n * s_len].view(n, s_len)
-    prev = spec.input_buffers.input_ids[spec._anchor_idx[:n]]  # pylint: disable=protected-access
+    prev = spec.input_buffers.input_ids[spec._anchor_idx[:n]]
     cache = spec.draft_logits.values
     for i in range(s_len):
       logits = base[:, i].float() + spec.model.markov_bias(
@@ -274,8 +276,8 @@ def main():
           "spec.input_buffers.input_ids", "spec._anchor_idx",
           "spec.temperature", "spec.seeds", "spec.sample_idx_mapping",
           "spec.sample_pos", "spec.draft_logits.values")}
-  report["fast_import"] = tbdl._fast_import_ok  # pylint: disable=protected-access
-  report["fast_export"] = tbdl._fast_export_ok  # pylint: disable=protected-access
+  report["fast_import"] = tbdl._fast_import_ok
+  report["fast_export"] = tbdl._fast_export_ok
   if a.probe_donation:
     proc = subprocess.run([sys.executable, os.path.abspath(__file__),
                            "--probe-donation-only"], capture_output=True,

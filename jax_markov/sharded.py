@@ -82,7 +82,7 @@ def _shard_map(f, mesh, in_specs, out_specs):
         break
     return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                          **kwargs)
-  from jax.experimental.shard_map import shard_map  # pylint: disable=g-import-not-at-top
+  from jax.experimental.shard_map import shard_map  # older JAX only
   return shard_map(f, mesh, in_specs, out_specs, check_rep=False)
 
 
@@ -372,16 +372,18 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
     config: a full launch configuration (its block_v applies per shard).
     check_values: read concrete arguments to check their values.
 
+  V need not be a multiple of n: the vocabulary is then padded inside the call
+  with -inf base columns and zero proj rows, which are never drawn, and the
+  logits are sliced back to V (their placement is then XLA's choice).
+
   Returns:
     Draft(tokens int32 [B, S] replicated, logits float32 [B, S, V] sharded
     along V over ``axis`` when n divides V).
 
   Raises:
     ValueError / TypeError: bad shapes, dtypes or values (as sample_draft), a
-      mesh without ``axis``, or an unknown ``exchange``.
-    V need not be a multiple of n: the vocabulary is padded inside the call
-    with -inf base columns and zero proj rows, which are never drawn, and the
-    logits are sliced back to V (then their sharding is XLA's choice).
+      mesh without ``axis``, an unknown ``exchange``, or ``method``
+      disagreeing with ``config``.
   """
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
@@ -405,8 +407,6 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
     raise ValueError(f"method={method!r} disagrees with config.method="
                      f"{config.method!r}")
   return _sample_draft_sharded(
-      base_logits if isinstance(base_logits, jax.Array)
-      else jnp.asarray(base_logits),
-      jnp.asarray(anchor_tokens), head, jnp.asarray(temperature), words,
+      jnp.asarray(base_logits), jnp.asarray(anchor_tokens), head, jnp.asarray(temperature), words,
       jnp.asarray(positions), mesh=mesh, axis=axis, exchange=exchange,
       config=config, interpret=interpret)

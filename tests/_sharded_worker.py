@@ -41,6 +41,7 @@ CASES = {
     "n8_padded": ((8,), ("vocab",), 1020, "shards"),   # padded to 1024
     "n8_blocks": ((8,), ("vocab",), 1024, "blocks"),   # 128 per shard = block_v
 }
+COLLECTIVE_CASES = ("n2_blocks", "n8_padded")  # one per exchange
 
 
 def problem(V, seed=30):
@@ -112,7 +113,7 @@ def main(out_dir):
         "logits_shard_shapes": sorted({tuple(s.data.shape)
                                        for s in draft.logits.addressable_shards}),
     }
-    if name.startswith("n8"):
+    if name in COLLECTIVE_CASES:
       meta[name]["collectives"] = collectives(problems[V], mesh, "vocab", exchange)
   np.savez(os.path.join(out_dir, "results.npz"), **arrays)
   with open(os.path.join(out_dir, "meta.json"), "w") as f:

@@ -33,7 +33,7 @@ from jax_markov.head import MarkovHead
 
 
 class MarkovHeadModule(nn.Module):
-  """markov_w1: nn.Embedding [V_in, R]; markov_w2: nn.Linear R -> V (weight [V, R])."""
+  """markov_w1: nn.Embedding [V_in, R]; markov_w2: nn.Linear R -> V ([V, R])."""
 
   def __init__(self, v_in: int, vocab: int, rank: int):
     super().__init__()
@@ -49,7 +49,7 @@ class _Inner(nn.Module):
 
 
 class DraftModel(nn.Module):
-  """The draft LM head (nn.Linear H -> V) and the Markov head, as vLLM names them."""
+  """The draft LM head (nn.Linear H -> V) and the Markov head, vLLM-named."""
 
   def __init__(self, hidden: int, vocab: int, v_in: int, rank: int):
     super().__init__()
@@ -231,7 +231,7 @@ def jm_sample_draft_into(cache: torch.Tensor, x: dict, platform: str = "cpu"):
 
 def torch_draw(logits: torch.Tensor, temperature: torch.Tensor,
                u: torch.Tensor) -> torch.Tensor:
-  """The draw rule in torch: float32 logits [B, V], temperature [B], u [B] -> [B]."""
+  """The draw rule in torch: logits [B, V], temperature [B], u [B] -> [B]."""
   x = logits.float()
   x = torch.where(torch.isnan(x), torch.full_like(x, -torch.inf), x)
   t = temperature.float()

@@ -12,6 +12,7 @@ import sys
 import torch_bridge as tb  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE
 from torch_bridge import buckets as tbb
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -72,6 +73,10 @@ def _check(spec, x, n, got_tokens, got_cache, cache0, tokens0, platform):
   vocab = spec.vocab
   idx = x["idx"]
   valid = idx >= 0
+  chex.assert_shape(got_tokens.numpy(), tokens0.shape)
+  chex.assert_type(got_tokens.numpy(), tokens0.numpy().dtype)
+  chex.assert_shape(got_cache.numpy(), cache0.shape)
+  chex.assert_type(got_cache.numpy(), np.float32)
   # 1. The same tokens and cache as jm.sample_draft_into on the same inputs.
   want_tokens, want_cache = sd.jm_sample_draft_into(cache0, x, platform)
   np.testing.assert_array_equal(got_tokens[:n][valid], want_tokens[valid])
@@ -142,6 +147,16 @@ def test_custom_buckets_pad_rows_write_nothing():
   sampler = _sampler_for(spec, buckets=[8])
   assert sampler.buckets == (8,)
   _run_and_check(spec, sampler, 3, padding=(2,))
+
+
+def test_noncontiguous_base_logits():
+  # An LM head whose output is a transposed view: imported through the
+  # padded buffer even when num_reqs is a bucket.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  lm_head = spec.model.lm_head
+  spec.model.compute_draft_logits = lambda h: (lm_head.weight @ h.T).T
+  sampler = _sampler_for(spec)
+  _run_and_check(spec, sampler, 4, padding=(3,))
 
 
 def test_all_padding_writes_no_logits():
@@ -254,13 +269,15 @@ def _mutations():
        setter("draft_logits.values",
               lambda s: torch.zeros(M, S, V, dtype=torch.float16))),
       ("spec.draft_tokens",
-       setter("draft_tokens", lambda s: torch.zeros(M, S - 1, dtype=torch.int64))),
+       setter("draft_tokens",
+              lambda s: torch.zeros(M, S - 1, dtype=torch.int64))),
       ("spec.draft_tokens",
        setter("draft_tokens", lambda s: torch.zeros(M, S))),
       ("spec.sample_indices",
        setter("sample_indices", lambda s: torch.zeros(m_s))),
       ("spec.model.model.markov_head.markov_w2.weight",
-       set_weight("markov_w2", lambda s: torch.zeros(V, R, dtype=torch.bfloat16))),
+       set_weight("markov_w2",
+                  lambda s: torch.zeros(V, R, dtype=torch.bfloat16))),
       ("spec.model.model.markov_head.markov_w1.weight",
        set_weight("markov_w1", lambda s: torch.zeros(V - 1, R))),
       ("spec.model.compute_draft_logits",

@@ -99,7 +99,7 @@ if _BACKENDS_UP_AT_IMPORT:
 
 
 class BridgeInputError(ValueError, TypeError):
-  """A speculator attribute has the wrong type, dtype, device, shape or layout."""
+  """A spec attribute has the wrong type, dtype, device, shape or layout."""
 
 
 def _describe(t) -> str:
@@ -272,7 +272,7 @@ _SLOTS = (
     (_W2, lambda s: s.model.model.markov_head.markov_w2.weight, "tensor"),
     ("spec.input_buffers.input_ids", lambda s: s.input_buffers.input_ids,
      "words"),
-    ("spec._anchor_idx", lambda s: s._anchor_idx, "words"),  # pylint: disable=protected-access
+    ("spec._anchor_idx", lambda s: s._anchor_idx, "words"),  # noqa: SLF001
     ("spec.temperature", lambda s: s.temperature, "tensor"),
     ("spec.seeds", lambda s: s.seeds, "words"),
     ("spec.sample_idx_mapping", lambda s: s.sample_idx_mapping, "words"),
@@ -379,7 +379,7 @@ class FusedMarkovSampler:
     return self._imports.imports
 
   def is_zero_copy(self, slot: str) -> bool | None:
-    """Whether the cached import of a spec attribute (e.g. "spec.seeds") aliases it."""
+    """Whether the cached import of ``slot`` (e.g. "spec.seeds") aliases."""
     return self._imports.is_alias(slot)
 
   def warmup(self, spec, base_dtype=None) -> int:
@@ -490,7 +490,7 @@ class FusedMarkovSampler:
         # them until the copies above have run.
         event = self._free_events.pop() if self._free_events else \
             torch.cuda.Event()
-        event.record()
+        event.record(torch.cuda.current_stream(device))
         self._pending.append(
             (event, (base, base_src, base_j, ints, logits, ints_t, logits_t)))
     return True
@@ -618,6 +618,11 @@ class FusedMarkovSampler:
       pad = torch.zeros((m, s_len, vocab), dtype=base.dtype,
                         device=self._device)
       self._pad = pad
+    if self._pending:
+      # The previous call's JAX program may still read the buffer; torch's
+      # current stream is ordered after it already, unless the engine
+      # switched streams since.
+      torch.cuda.current_stream(self._device).wait_event(self._pending[-1][0])
     pad[:n].copy_(base)
     return pad[:bp], base
 
@@ -681,7 +686,7 @@ class FusedMarkovSampler:
           f"spec.sample_pos: expected positions >= 1 at valid steps, got "
           f"{pos.tolist()}")
     ids = spec.input_buffers.input_ids
-    aidx = spec._anchor_idx[:n].to("cpu", torch.int64)  # pylint: disable=protected-access
+    aidx = spec._anchor_idx[:n].to("cpu", torch.int64)  # pylint: disable=W0212
     if ((aidx < 0) | (aidx >= ids.shape[0])).any():
       raise BridgeInputError(
           f"spec._anchor_idx: expected indices into input_ids [0, "

@@ -60,7 +60,7 @@ def normalize_buckets(buckets: Iterable[int] | None,
 
 
 def bucket_for(buckets: Sequence[int], num_reqs: int) -> int:
-  """Returns the smallest bucket ``>= num_reqs`` (buckets sorted, last = max)."""
+  """The smallest bucket ``>= num_reqs`` (``buckets`` sorted, last = max)."""
   i = bisect.bisect_left(buckets, num_reqs)
   if i == len(buckets):
     raise ValueError(

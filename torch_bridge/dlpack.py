@@ -192,7 +192,7 @@ def int32_words(t: torch.Tensor) -> torch.Tensor:
 
 
 def tensor_key(t: torch.Tensor) -> tuple:
-  """What identifies a buffer's memory and layout: address, shape, strides, dtype, device."""
+  """A buffer's identity: (address, shape, strides, dtype, device)."""
   return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
 
 
@@ -237,7 +237,7 @@ class ImportCache:
     self.imports = 0  # number of actual imports, for tests and benchmarks
 
   def lookup(self, slot: str, source: torch.Tensor) -> jax.Array | None:
-    """The cached import of ``source`` in ``slot``, or None if missing or stale."""
+    """The cached import of ``source`` in ``slot``; None if missing or stale."""
     e = self._entries.get(slot)
     if e is None:
       return None

@@ -1,0 +1,177 @@
+"""jax_markov.sharded.sample_draft_sharded: the sampler with V sharded over a mesh axis.
+
+The multi-device cases need 8 host CPU devices, which must be set before JAX
+initialises; this process has initialised JAX already, so they run once in a
+subprocess (tests/_sharded_worker.py, interpret mode) and the tests here check
+what it wrote: tokens and logits against the single-device sampler run in the
+same subprocess, the contract step by step, the output placement and the
+collectives of the program. The GPU tests (pytest -m gpu) use every GPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_markov as jm
+from jax_markov import sharded
+from helpers import check_sample_draft, make_problem
+
+import _sharded_worker as worker
+
+CASES = sorted(worker.CASES)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+  out = tmp_path_factory.mktemp("sharded")
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                      " --xla_force_host_platform_device_count=8").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, worker.__file__, str(out)], env=env,
+                        capture_output=True, text=True, timeout=900)
+  if proc.returncode != 0:
+    pytest.fail(f"sharded worker failed (rc={proc.returncode}):\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+  with open(out / "meta.json") as f:
+    meta = json.load(f)
+  arrays = dict(np.load(out / "results.npz"))
+  return meta, arrays
+
+
+def _case(results, name):
+  meta, arrays = results
+  m = meta[name]
+  V = m["V"]
+  return (m, arrays[f"{name}/tokens"], arrays[f"{name}/logits"],
+          arrays[f"single{V}/tokens"], arrays[f"single{V}/logits"])
+
+
+def test_cases_cover_shard_counts():
+  assert sorted({worker.CASES[c][0][-1] for c in CASES}) == [1, 2, 4, 8]
+  assert any(V % shape[-1] for shape, _, V, _ in worker.CASES.values())
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_equals_single_device(results, name):
+  m, tokens, logits, want_tokens, want_logits = _case(results, name)
+  B, S, V = worker.B, worker.S, m["V"]
+  chex.assert_shape(tokens, (B, S))
+  chex.assert_type(tokens, np.int32)
+  chex.assert_shape(logits, (B, S, V))
+  chex.assert_type(logits, np.float32)
+  np.testing.assert_array_equal(tokens, want_tokens)
+  # Each logit is the same kernel's dot over the same rank columns.
+  np.testing.assert_array_equal(logits, want_logits)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_contract(results, name):
+  m, tokens, logits, _, _ = _case(results, name)
+  args = worker.problem(m["V"])
+  check_sample_draft(jm.Draft(tokens, logits), *args)
+  assert (tokens[3] == 0).all()                       # all -inf row
+  assert np.isin(tokens[2], [5, 600, 611, 620, m["V"] - 10, m["V"] - 1]).all()
+  assert (tokens[4] >= 300).all()                     # NaN never drawn
+  assert tokens[5, 1] == 700                          # first +inf
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_placement(results, name):
+  m = results[0][name]
+  assert m["tokens_replicated"]
+  if m["V"] % m["n"] == 0:
+    assert m["logits_shard_shapes"] == [[worker.B, worker.S, m["V"] // m["n"]]]
+
+
+@pytest.mark.parametrize("name", worker.COLLECTIVE_CASES)
+def test_exchange_is_statistics_and_tokens(results, name):
+  m = results[0][name]
+  B, n = worker.B, m["n"]
+  # (max, sum) per request and block ("blocks") or per request ("shards").
+  blocks = -(-m["V"] // n // worker.CONFIG.block_v) if m["exchange"] == "blocks" else 1
+  gather = ("all_gather", f"tensor<2x{blocks}x{B}xf32>",
+            f"tensor<2x{n * blocks}x{B}xf32>")
+  psum = ("all_reduce", f"tensor<{B}xi32>", f"tensor<{B}xi32>")
+  # Step 0 and the scanned step: one gather and one psum each, nothing else.
+  assert sorted(map(tuple, m["collectives"])) == sorted([gather, psum] * 2)
+
+
+def _mesh1(names=("vocab",)):
+  return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
+
+
+def test_rejects_bad_mesh_axis_and_exchange():
+  args = make_problem(2, 2, 64, 4, seed=31)
+  with pytest.raises(ValueError, match="not an axis of the mesh"):
+    sharded.sample_draft_sharded(*args, mesh=_mesh1(), axis="tp")
+  with pytest.raises(ValueError, match="exchange must be one of"):
+    sharded.sample_draft_sharded(*args, mesh=_mesh1(), exchange="ring")
+  with pytest.raises(TypeError, match="jax.sharding.Mesh"):
+    sharded.sample_draft_sharded(*args, mesh=jax.devices())
+  with pytest.raises(ValueError, match="disagrees with config.method"):
+    sharded.sample_draft_sharded(*args, mesh=_mesh1(), method="reference",
+                                 config=jm.KernelConfig("fused"))
+
+
+def test_rejects_bad_shapes_like_sample_draft():
+  base, anchor, head, t, seeds, pos = make_problem(2, 2, 64, 4, seed=32)
+  with pytest.raises(ValueError, match="V disagrees"):
+    sharded.sample_draft_sharded(base[:, :, :60], anchor, head, t, seeds, pos,
+                                 mesh=_mesh1())
+  with pytest.raises(ValueError, match="temperature must be >= 0"):
+    sharded.sample_draft_sharded(base, anchor, head, -t - 1, seeds, pos,
+                                 mesh=_mesh1())
+
+
+def test_vocab_sharding_specs():
+  mesh = _mesh1(("data", "vocab"))
+  place = sharded.vocab_sharding(mesh, "vocab")
+  assert place["base_logits"].spec == jax.sharding.PartitionSpec(None, None, "vocab")
+  assert place["proj"].spec == jax.sharding.PartitionSpec("vocab", None)
+  assert place["replicated"].spec == jax.sharding.PartitionSpec()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exchange", sharded.EXCHANGES)
+def test_gpu_all_devices_small(exchange):
+  devices = jax.devices()
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("vocab",))
+  V = 1024 * n
+  args = make_problem(16, 3, V, 64, seed=33)
+  config = jm.KernelConfig("fused", 16, 256, 64)  # V / n = 4 blocks per shard
+  draft = sharded.sample_draft_sharded(*args, mesh=mesh, exchange=exchange,
+                                       config=config)
+  single = jm.sample_draft(*args, config=config)
+  np.testing.assert_array_equal(draft.tokens, single.tokens)
+  np.testing.assert_allclose(draft.logits, single.logits, rtol=1e-6, atol=1e-6)
+  check_sample_draft(draft, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exchange", sharded.EXCHANGES)
+def test_gpu_deepseek_v4_shape(exchange):
+  devices = jax.devices()
+  mesh = Mesh(np.array(devices), ("vocab",))
+  B = 16
+  args = make_problem(B, 7, 129280, 256, jnp.bfloat16, seed=34, head_scale=0.1,
+                      temperature=np.where(np.arange(B) % 4 == 0, 0.0, 1.0))
+  base, anchor, head, t, seeds, pos = args
+  if 129280 % len(devices) == 0:
+    place = sharded.vocab_sharding(mesh)
+    base = jax.device_put(base, place["base_logits"])
+    head = jm.MarkovHead(jax.device_put(head.embed, place["replicated"]),
+                         jax.device_put(head.proj, place["proj"]))
+  draft = sharded.sample_draft_sharded(base, anchor, head, t, seeds, pos,
+                                       mesh=mesh, exchange=exchange)
+  assert draft.tokens.shape == (B, 7) and draft.logits.shape == (B, 7, 129280)
+  check_sample_draft(draft, *args)
