@@ -11,6 +11,7 @@ Public API::
                                          positions)
     u = jm.draft_uniforms(seeds, positions)
     jm.reference  # the same sampler in plain jnp: the executable spec
+    jm.sample_draft_sharded(..., mesh=mesh, axis="vocab")  # V over devices
 """
 
 from jax_markov import reference, rng
@@ -18,9 +19,10 @@ from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels.tuning import KernelConfig
 from jax_markov.rng import draft_uniforms
 from jax_markov.sampler import sample_draft, sample_draft_into
+from jax_markov.sharded import sample_draft_sharded
 
 __all__ = [
     "Draft", "KernelConfig", "MarkovHead", "draft_uniforms", "reference", "rng",
-    "sample_draft", "sample_draft_into",
+    "sample_draft", "sample_draft_into", "sample_draft_sharded",
 ]
 __version__ = "0.1.0"

@@ -70,8 +70,10 @@ EXCHANGES = ("shards", "blocks")
 def _shard_map(f, mesh, in_specs, out_specs):
   """jax.shard_map (JAX >= 0.6) or jax.experimental.shard_map, checks off.
 
-  The replication check is off because pallas_call has no replication rule in
-  every JAX version; the replicated outputs (the tokens) are psum results.
+  The varying-across-devices check is off: with it on, pallas_call wants its
+  out_shape annotated with how each output varies over the mesh (JAX 0.10
+  raises otherwise), which the shared kernels do not do. The outputs declared
+  replicated (the tokens) are psum results, so replicated indeed.
   """
   if hasattr(jax, "shard_map"):
     params = inspect.signature(jax.shard_map).parameters

@@ -3,8 +3,11 @@
 import os
 import sys
 
-import jax
-import pytest
+# Torch and JAX share the GPU in the bridge tests: no preallocation (see docs/torch_bridge.md).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 

@@ -4,10 +4,12 @@
 ``benchmarks/tune.py``; see docs/perf-notes.md) and otherwise falls back to a
 rule that keeps enough programs in flight to fill the GPU:
 
-* reference design: one request per program, vocabulary blocks of 1024 at tiny
-  batches (B * V / 1024 programs) and 4096 otherwise;
-* fused: request tiles of 16..64 (the tensor cores' smallest M is 16) and blocks
-  of 128..256 columns, so proj is streamed once per step per request tile.
+* reference design (the default at B <= 4): one request per program,
+  vocabulary blocks of 1024 at tiny batches (B * V / 1024 programs) and 4096
+  otherwise;
+* fused (the default from B = 5): request tiles of 16..64 (the tensor cores'
+  smallest M is 16) and blocks of 256 columns, so proj is streamed once per
+  step per request tile.
 """
 
 from __future__ import annotations
@@ -63,14 +65,24 @@ def _batch_bucket(batch: int) -> int:
   return _next_pow2(batch)
 
 
-# (method, vocab, rank, batch bucket) -> KernelConfig, measured on an H200.
-TABLE: dict[tuple[str, int, int, int], KernelConfig] = {}
+# (method, vocab, rank, batch bucket) -> KernelConfig, the fastest of
+# benchmarks/tune.py's sweep on an H200 (benchmarks/results/tune-*.json).
+TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
+    ("reference", 129280, 256, 1): KernelConfig("reference", 1, 1024, 64, 8, 1),
+    ("fused", 129280, 256, 64): KernelConfig("fused", 64, 256, 64, 4, 1),
+    ("fused", 129280, 256, 256): KernelConfig("fused", 64, 256, 64, 4, 3),
+}
 
 
 def default_method(batch: int, vocab: int, rank: int) -> str:
-  """The faster method for a shape, by the benchmark (docs/perf-notes.md)."""
-  del batch, vocab, rank
-  return "fused"
+  """The faster method for a shape, by the sweep (docs/perf-notes.md).
+
+  At B <= 4 the fused tile of 16 requests wastes most of its dot and the
+  reference design's cuBLAS GEMV plus wide blocks won (0.46 vs 0.54 ms at the
+  DeepSeek-V4 shape, B = 1); from B = 64 on, fused won (0.71 vs 0.77 ms).
+  """
+  del vocab, rank
+  return "reference" if batch <= 4 else "fused"
 
 
 def choose(method: str | None, batch: int, vocab: int, rank: int, *,
@@ -92,8 +104,7 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
   if method == "reference":
     block_v = 1024 if batch <= 4 else 4096
     return KernelConfig(method, 1, min(block_v, _next_pow2(vocab)), 64,
-                        4 if block_v <= 1024 else 8)
+                        8 if batch <= 4 else 4)
   block_b = min(64, max(16, _next_pow2(batch)))
-  block_v = 128 if block_b >= 64 else 256
-  return KernelConfig(method, block_b, min(block_v, max(16, _next_pow2(vocab))),
-                      min(64, max(16, _next_pow2(rank))), 4, 2)
+  return KernelConfig(method, block_b, min(256, max(16, _next_pow2(vocab))),
+                      min(64, max(16, _next_pow2(rank))), 4, 1)
