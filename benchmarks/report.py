@@ -249,8 +249,16 @@ def _display_path(path: str) -> str:
   return path if rel.startswith("..") else rel
 
 
+# Everything from this line on in benchmarks.md is hand-written and kept when
+# the tables above it are regenerated.
+KEEP_MARKER = "<!-- hand-written below: kept by benchmarks/report.py -->"
+
+
 def write_report(json_path: str, docs_dir: str) -> tuple[str, str]:
   """Writes docs_dir/benchmarks.md and docs_dir/benchmarks.png.
+
+  A hand-written tail of an existing benchmarks.md, from KEEP_MARKER on, is
+  kept.
 
   Args:
     json_path: a results file written by :mod:`benchmarks.run` (a list of
@@ -264,10 +272,16 @@ def write_report(json_path: str, docs_dir: str) -> tuple[str, str]:
   os.makedirs(docs_dir, exist_ok=True)
   md_path = os.path.join(docs_dir, "benchmarks.md")
   png_path = os.path.join(docs_dir, "benchmarks.png")
+  kept = ""
+  if os.path.exists(md_path):
+    with open(md_path) as f:
+      old = f.read()
+    if KEEP_MARKER in old:
+      kept = "\n" + old[old.index(KEEP_MARKER):]
   plot(rows, png_path)
   with open(md_path, "w") as f:
     f.write(markdown(rows, _display_path(json_path),
-                     os.path.basename(png_path)))
+                     os.path.basename(png_path)) + kept)
   return md_path, png_path
 
 
