@@ -230,6 +230,34 @@ def median_of_groups(run_group: Callable[[int], float], repeats: int,
   return statistics.median(times), n_groups
 
 
+def round_robin(calls, finish: Callable | None = None) -> Callable[[int], None]:
+  """A runner of ``count`` calls that rotates through ``calls`` (input sets).
+
+  ``finish(last_result)``, if given, runs after each batch of calls: the
+  synchronisation a wall-clock timer needs.
+  """
+  state = dict(k=0)
+
+  def run(count: int) -> None:
+    out = None
+    for _ in range(count):
+      out = calls[state["k"] % len(calls)]()
+      state["k"] += 1
+    if finish is not None:
+      finish(out)
+  return run
+
+
+def wall_clock_median(run: Callable[[int], None], repeats: int,
+                      group: int) -> tuple[float, int]:
+  """median_of_groups with each group timed by the host clock around ``run``."""
+  def group_ms(count):
+    t0 = time.perf_counter()
+    run(count)
+    return (time.perf_counter() - t0) * 1e3
+  return median_of_groups(group_ms, repeats, group)
+
+
 def write_json(path: str, obj) -> None:
   """Writes ``obj`` as JSON atomically (a crash never leaves half a file)."""
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

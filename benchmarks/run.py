@@ -572,21 +572,10 @@ class _TorchFamily:
 
   def time(self, prep, repeats, group, warmup):
     torch = self.torch
-    calls, n = prep.calls, len(prep.calls)
-    state = dict(k=0)
-
-    def run(count):
-      for _ in range(count):
-        calls[state["k"] % n]()
-        state["k"] += 1
-
+    run = common.round_robin(prep.calls)
     run(warmup)
     if not self.is_gpu:
-      def group_ms(count):
-        t0 = time.perf_counter()
-        run(count)
-        return (time.perf_counter() - t0) * 1e3
-      return common.median_of_groups(group_ms, repeats, group)
+      return common.wall_clock_median(run, repeats, group)
     torch.cuda.synchronize()
     group = max(1, min(group, repeats))
     events = []
@@ -705,24 +694,9 @@ class _JaxFamily:
     return _Prepared(calls, tokens, meta)
 
   def time(self, prep, repeats, group, warmup):
-    jax = self.jax
-    calls, n = prep.calls, len(prep.calls)
-    state = dict(k=0)
-
-    def run(count):
-      out = None
-      for _ in range(count):
-        out = calls[state["k"] % n]()
-        state["k"] += 1
-      jax.block_until_ready(out)
-
+    run = common.round_robin(prep.calls, finish=self.jax.block_until_ready)
     run(max(1, warmup))
-
-    def group_ms(count):
-      t0 = time.perf_counter()
-      run(count)
-      return (time.perf_counter() - t0) * 1e3
-    return common.median_of_groups(group_ms, repeats, group)
+    return common.wall_clock_median(run, repeats, group)
 
   def release(self, inputs=False):
     if inputs:
@@ -918,24 +892,11 @@ class _BridgeFamily(_TorchFamily):
     return _Prepared(calls, tokens, meta)
 
   def time(self, prep, repeats, group, warmup):
-    torch = self.torch
-    calls, n = prep.calls, len(prep.calls)
-    state = dict(k=0)
-
-    def run(count):
-      for _ in range(count):
-        calls[state["k"] % n]()
-        state["k"] += 1
-      if self.is_gpu:
-        torch.cuda.synchronize()  # the whole device: JAX's streams too
-
+    # The whole device: JAX's streams too.
+    sync = (lambda _: self.torch.cuda.synchronize()) if self.is_gpu else None
+    run = common.round_robin(prep.calls, finish=sync)
     run(max(1, warmup))
-
-    def group_ms(count):
-      t0 = time.perf_counter()
-      run(count)
-      return (time.perf_counter() - t0) * 1e3
-    return common.median_of_groups(group_ms, repeats, group)
+    return common.wall_clock_median(run, repeats, group)
 
 
 if __name__ == "__main__":
