@@ -221,3 +221,31 @@ def test_into_donation_updates_in_place():
     assert new_cache.unsafe_buffer_pointer() == ptr
   tokens2, newer = jm.sample_draft_into(new_cache, *rest)
   np.testing.assert_array_equal(tokens, tokens2)
+
+
+def test_into_state_rows_may_change_between_steps():
+  """idx_map[b, s] names the state row of each draw, not only of each request."""
+  cache, base, anchor, head, temperature, seeds, _, pos = _into_problem(seed=17, N=12)
+  idx_map = jnp.asarray([[0, 5, 11], [3, -1, 4], [7, 8, 0], [1, 1, 1], [-1, 2, 3]],
+                        jnp.int32)
+  before = np.asarray(cache)
+  ref_tokens, ref_cache = jm.reference.sample_draft_into(
+      cache, base, anchor, head, temperature, seeds, idx_map, pos)
+  tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
+                                           seeds, idx_map, pos, donate=False)
+  valid = np.asarray(idx_map) >= 0
+  np.testing.assert_array_equal(np.asarray(tokens)[valid], np.asarray(ref_tokens)[valid])
+  np.testing.assert_allclose(new_cache, ref_cache, rtol=2e-6, atol=2e-5)
+  written = np.zeros(before.shape[:2], bool)
+  for b, s in zip(*np.nonzero(valid)):
+    written[idx_map[b, s], s] = True
+  np.testing.assert_array_equal(np.asarray(new_cache)[~written], before[~written])
+
+
+def test_base_dtype_may_differ_from_the_head():
+  base, anchor, head, t, seeds, pos = make_problem(4, 3, 150, 8, jnp.bfloat16, seed=18)
+  base32 = base.astype(jnp.float32) * 1.5  # not representable in bf16
+  draft = jm.sample_draft(base32, anchor, head, t, seeds, pos)
+  np.testing.assert_array_equal(
+      draft.tokens, jm.reference.sample_draft(base32, anchor, head, t, seeds, pos)[0])
+  check_sample_draft(draft, base32, anchor, head, t, seeds, pos)
