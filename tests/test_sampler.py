@@ -172,6 +172,21 @@ def _into_problem(seed=14, B=5, S=3, V=200, R=8, N=9):
   return cache, base, anchor, head, temperature, seeds, jnp.asarray(idx_map), pos
 
 
+def _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache, before):
+  """Tokens and cache as the reference's; cache rows no draw names unchanged.
+
+  Returns the bool [B, S] mask of draws that are not padding.
+  """
+  valid = np.asarray(idx_map) >= 0
+  np.testing.assert_array_equal(np.asarray(tokens)[valid], np.asarray(ref_tokens)[valid])
+  np.testing.assert_allclose(new_cache, ref_cache, rtol=2e-6, atol=2e-5)
+  written = np.zeros(before.shape[:2], bool)
+  for b, s in zip(*np.nonzero(valid)):
+    written[idx_map[b, s], s] = True
+  np.testing.assert_array_equal(np.asarray(new_cache)[~written], before[~written])
+  return valid
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_into_matches_reference_and_leaves_other_rows(method):
   cache, base, anchor, head, temperature, seeds, idx_map, pos = _into_problem()
@@ -184,13 +199,8 @@ def test_into_matches_reference_and_leaves_other_rows(method):
   chex.assert_shape(tokens, (5, 3))
   chex.assert_type(tokens, jnp.int32)
   chex.assert_type(new_cache, jnp.float32)
-  valid = np.asarray(idx_map) >= 0
-  np.testing.assert_array_equal(np.asarray(tokens)[valid], np.asarray(ref_tokens)[valid])
-  np.testing.assert_allclose(new_cache, ref_cache, rtol=2e-6, atol=2e-5)
-  written = np.zeros(before.shape[:2], bool)
-  for b, s in zip(*np.nonzero(valid)):
-    written[idx_map[b, s], s] = True
-  np.testing.assert_array_equal(np.asarray(new_cache)[~written], before[~written])
+  valid = _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache,
+                               before)
   assert ((np.asarray(tokens) >= 0) & (np.asarray(tokens) < 200)).all()
   # Teacher-forced contract check on the draws that are not padding.
   rows = np.where(valid, np.asarray(idx_map), 0)
@@ -233,13 +243,7 @@ def test_into_state_rows_may_change_between_steps():
       cache, base, anchor, head, temperature, seeds, idx_map, pos)
   tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
                                            seeds, idx_map, pos, donate=False)
-  valid = np.asarray(idx_map) >= 0
-  np.testing.assert_array_equal(np.asarray(tokens)[valid], np.asarray(ref_tokens)[valid])
-  np.testing.assert_allclose(new_cache, ref_cache, rtol=2e-6, atol=2e-5)
-  written = np.zeros(before.shape[:2], bool)
-  for b, s in zip(*np.nonzero(valid)):
-    written[idx_map[b, s], s] = True
-  np.testing.assert_array_equal(np.asarray(new_cache)[~written], before[~written])
+  _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache, before)
 
 
 def test_base_dtype_may_differ_from_the_head():
