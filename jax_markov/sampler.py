@@ -1,8 +1,10 @@
-"""The S-step Markov sampler: one jitted call, the steps as lax.scan.
+"""The S-step Markov sampler: one jitted call for all S steps.
 
 A step is two Pallas launches (block pass, select pass), plus the bias GEMM in
-XLA for the reference design. The carry holds the cache and the embeddings of
-the tokens just drawn, so nothing returns to the host between steps.
+XLA for the reference design. Compiled, the steps are a Python loop (each
+launch gets its step index as a constant); in the interpreter they are a
+lax.scan, which compiles faster. The cache and the embeddings of the tokens
+just drawn pass from step to step on the device: nothing returns to the host.
 """
 
 from __future__ import annotations
@@ -37,19 +39,25 @@ def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
     cache: float32 [num_cache_rows, V] updated in place, or None: step 0 then
       creates it (no memset: every row gets written by some step).
     base: [B, S, V]; anchor_tokens: int32 [B].
-    scale, greedy, u, cache_rows: [B, S] per draw (cache_rows flat, -1 none).
+    scale, greedy, u: [B, S] per draw.
+    cache_rows: int32 [B, S], the flat cache row of each draw (-1 none), or
+      None for the dense layout (draw (b, s) writes row b * S + s).
 
   Returns:
     (tokens int32 [B, S], cache float32 [num_cache_rows, V]).
   """
   B, S, V = base.shape
   base_flat = base.reshape(B * S, V)
-  row_ids = jnp.arange(B, dtype=jnp.int32) * S
+  # The kernels read draw (b, s) at flat index b * S + s: no per-step slices.
+  scale, greedy, u = (a.reshape(B * S) for a in (scale, greedy, u))
+  if cache_rows is not None:
+    cache_rows = cache_rows.reshape(B * S)
   proj_dtype = head.proj.dtype
   gemm_precision = (jax.lax.Precision.HIGHEST if proj_dtype == jnp.float32
                     else jax.lax.Precision.DEFAULT)
 
   def step(cache, emb, s):
+    """One step; s is int32 [1]."""
     if config.method == "fused":
       bias_or_head = (emb, head.proj)
     else:
@@ -57,35 +65,43 @@ def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
           emb, head.proj, (((1,), (1,)), ((), ())), precision=gemm_precision,
           preferred_element_type=jnp.float32),)
     cache, bmax, bsum, barg = block_pass(
-        base_flat, bias_or_head, row_ids + s, cache_rows[:, s], scale[:, s],
-        cache, num_cache_rows=num_cache_rows, block_b=config.block_b,
+        base_flat, bias_or_head, s, scale, cache_rows, cache, num_steps=S,
+        num_cache_rows=num_cache_rows, block_b=config.block_b,
         block_v=config.block_v, block_k=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-        interpret=interpret)
+        k_loop=config.k_loop, num_warps=config.num_warps,
+        num_stages=config.num_stages, interpret=interpret)
     tokens, emb = select_pass(
-        bmax, bsum, barg, cache, cache_rows[:, s], scale[:, s], greedy[:, s],
-        u[:, s], head.embed, block_v=config.block_v,
-        num_warps=config.select_warps, interpret=interpret)
+        bmax, bsum, barg, cache, s, scale, greedy, u, head.embed, cache_rows,
+        num_steps=S, block_v=config.block_v, num_warps=config.select_warps,
+        interpret=interpret)
     return cache, emb, tokens
 
   emb = head.embed[anchor_tokens]
+  unroll = not interpret if config.unroll is None else config.unroll
+  if unroll:
+    # A Python loop: the step index of each launch is a constant, so the
+    # draft is 2S launches (3S with the reference GEMM) and nothing else.
+    tokens = []
+    for s in range(S):
+      cache, emb, t = step(cache, emb, jnp.full((1,), s, jnp.int32))
+      tokens.append(t)
+    return jnp.stack(tokens, axis=1), cache
+
   first = []
   start = 0
-  if cache is None:
-    cache, emb, tokens0 = step(None, emb, 0)
+  if cache is None:  # step 0 creates the cache, so the carry has a buffer
+    cache, emb, tokens0 = step(None, emb, jnp.zeros((1,), jnp.int32))
     first, start = [tokens0[:, None]], 1
   if start == S:
     return jnp.concatenate(first, axis=1), cache
 
   def body(carry, s):
     cache, emb = carry
-    cache, emb, tokens = step(cache, emb, s)
+    cache, emb, tokens = step(cache, emb, s[None])
     return (cache, emb), tokens
 
   (cache, _), tokens = jax.lax.scan(body, (cache, emb),
-                                    jnp.arange(start, S, dtype=jnp.int32),
-                                    unroll=(not interpret if config.unroll is None
-                                            else config.unroll))
+                                    jnp.arange(start, S, dtype=jnp.int32))
   return jnp.concatenate(first + [tokens.T], axis=1), cache
 
 
@@ -105,9 +121,8 @@ def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
   valid = jnp.ones((B, S), bool)
   scale, greedy = _draw_params(jnp.broadcast_to(temperature[:, None], (B, S)),
                                valid)
-  cache_rows = jnp.arange(B * S, dtype=jnp.int32).reshape(B, S)
   tokens, cache = _run_steps(None, base, anchor_tokens.astype(jnp.int32), head,
-                             scale, greedy, u, cache_rows,
+                             scale, greedy, u, None,
                              num_cache_rows=B * S, config=config,
                              interpret=interpret)
   return Draft(tokens, cache.reshape(B, S, V))

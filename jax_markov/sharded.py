@@ -238,6 +238,8 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
   gemm_precision = (jax.lax.Precision.HIGHEST if proj.dtype == jnp.float32
                     else jax.lax.Precision.DEFAULT)
 
+  scale_flat = scale.reshape(B * S)
+
   def step(cache, emb, s):
     rows = row_ids + s
     if config.method == "fused":
@@ -247,10 +249,12 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
           emb, proj, (((1,), (1,)), ((), ())), precision=gemm_precision,
           preferred_element_type=jnp.float32),)
     cache, bmax, bsum, barg = block_pass(
-        base_flat, bias_or_head, rows, rows, scale[:, s], cache,
-        num_cache_rows=B * S, block_b=config.block_b, block_v=config.block_v,
-        block_k=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages, interpret=interpret)
+        base_flat, bias_or_head, jnp.reshape(s, (1,)).astype(jnp.int32),
+        scale_flat, None, cache, num_steps=S, num_cache_rows=B * S,
+        block_b=config.block_b, block_v=config.block_v,
+        block_k=config.block_k, k_loop=config.k_loop,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        interpret=interpret)
     owner, block, is_greedy, m_safe, prefix, target = decide(
         bmax, bsum, u[:, s], greedy[:, s], axis=axis, shard=shard,
         num_local=num_local)

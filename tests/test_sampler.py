@@ -253,3 +253,29 @@ def test_base_dtype_may_differ_from_the_head():
   np.testing.assert_array_equal(
       draft.tokens, jm.reference.sample_draft(base32, anchor, head, t, seeds, pos)[0])
   check_sample_draft(draft, base32, anchor, head, t, seeds, pos)
+
+
+@pytest.mark.parametrize("unroll,k_loop", [(True, "fori"), (True, "static"),
+                                           (False, "static")])
+def test_loop_forms_agree(unroll, k_loop):
+  """The step loop (Python-unrolled or lax.scan) and the rank loop (fori or
+  static) change the program, never the draft: both layouts, against the
+  reference."""
+  args = make_problem(5, 3, 300, 80, seed=19)
+  config = jm.KernelConfig("fused", 16, 128, 32, unroll=unroll, k_loop=k_loop)
+  draft = jm.sample_draft(*args, config=config)
+  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
+  np.testing.assert_array_equal(draft.tokens, ref_tokens)
+  np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+
+  cache, base, anchor, head, temperature, seeds, _, pos = _into_problem(seed=20, N=12)
+  idx_map = jnp.asarray([[0, 5, 11], [3, -1, 4], [7, 8, 0], [1, 1, 1], [-1, 2, 3]],
+                        jnp.int32)
+  before = np.asarray(cache)
+  ref_tokens, ref_cache = jm.reference.sample_draft_into(
+      cache, base, anchor, head, temperature, seeds, idx_map, pos)
+  config = jm.KernelConfig("reference", 1, 64, unroll=unroll, k_loop=k_loop)
+  tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
+                                           seeds, idx_map, pos, config=config,
+                                           donate=False)
+  _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache, before)

@@ -27,63 +27,82 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _block_pass_kernel(*refs, fused: bool, has_cache_in: bool, block_b: int,
-                       block_v: int, block_k: int, batch: int, vocab: int,
-                       rank: int, precision):
+def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
+                       block_b: int, block_v: int, block_k: int, batch: int,
+                       steps: int, vocab: int, rank: int, k_loop: str,
+                       precision):
   if fused:
     base_ref, emb_ref, proj_ref, *refs = refs
   else:
     base_ref, bias_ref, *refs = refs
-  base_rows_ref, cache_rows_ref, scale_ref, *refs = refs
+  step_ref, scale_ref, *refs = refs
+  cache_rows_ref = None if dense else refs.pop(0)
   if has_cache_in:
-    _, *refs = refs  # aliased with cache_ref: the same buffer
+    refs.pop(0)  # aliased with cache_ref: the same buffer
   cache_ref, bmax_ref, bsum_ref, barg_ref = refs
 
   i = pl.program_id(0)
   j = pl.program_id(1)
   b0 = i * block_b
   v0 = j * block_v
-  b_mask = b0 + jnp.arange(block_b) < batch
+  b_idx = b0 + jnp.arange(block_b)
+  b_mask = b_idx < batch
   v_mask = v0 + jnp.arange(block_v) < vocab
   tile_mask = b_mask[:, None] & v_mask[None, :]
+  # Draw (b, s) is flat index b * S + s of the per-draw arrays and of base's
+  # rows; masked requests index past them and are never loaded.
+  draw = b_idx * steps + step_ref[0]
 
   # Gathers and scatters index rows and columns with arrays (not a slice
-  # beside an array), the one mixed form both Triton and the interpreter take.
+  # beside an array), the one mixed form both Triton and the interpreter take;
+  # the interpreter clamps an out-of-range slice instead of masking it.
   cols = (v0 + jnp.arange(block_v))[None, :]
-  base_rows = plgpu.load(base_rows_ref.at[pl.ds(b0, block_b)], mask=b_mask,
-                         other=0)
-  x = plgpu.load(base_ref.at[base_rows[:, None], cols], mask=tile_mask,
+  x = plgpu.load(base_ref.at[draw[:, None], cols], mask=tile_mask,
                  other=0).astype(jnp.float32)
   if fused:
-    acc = jnp.zeros((block_b, block_v), jnp.float32)
-    b_rows = (b0 + jnp.arange(block_b))[:, None]
+    b_rows = b_idx[:, None]
     v_rows = (v0 + jnp.arange(block_v))[:, None]
-    for k0 in range(0, rank, block_k):  # static: cdiv(R, block_k) dots
+
+    def rank_chunk(k0, acc):
       k_cols = (k0 + jnp.arange(block_k))[None, :]
       emb = plgpu.load(emb_ref.at[b_rows, k_cols],
                        mask=b_mask[:, None] & (k_cols < rank), other=0)
       proj = plgpu.load(proj_ref.at[v_rows, k_cols],
                         mask=v_mask[:, None] & (k_cols < rank), other=0)
-      acc += jax.lax.dot_general(emb, proj, (((1,), (1,)), ((), ())),
-                                 precision=precision,
-                                 preferred_element_type=jnp.float32)
+      return acc + jax.lax.dot_general(emb, proj, (((1,), (1,)), ((), ())),
+                                       precision=precision,
+                                       preferred_element_type=jnp.float32)
+
+    acc = jnp.zeros((block_b, block_v), jnp.float32)
+    num_chunks = pl.cdiv(rank, block_k)
+    if k_loop == "fori":
+      # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
+      # while the tensor cores work on this one.
+      acc = jax.lax.fori_loop(0, num_chunks,
+                              lambda c, acc: rank_chunk(c * block_k, acc), acc)
+    else:  # "static": unrolled in Python, no software pipelining
+      for c in range(num_chunks):
+        acc = rank_chunk(c * block_k, acc)
     x = x + acc
   else:
-    rows = jnp.where(b_mask, b0 + jnp.arange(block_b), 0)
+    rows = jnp.where(b_mask, b_idx, 0)
     x = x + plgpu.load(bias_ref.at[rows[:, None], cols], mask=tile_mask,
                        other=0)
 
-  cache_rows = plgpu.load(cache_rows_ref.at[pl.ds(b0, block_b)], mask=b_mask,
-                          other=-1)
+  if dense:
+    write = b_mask
+    cache_rows = draw
+  else:
+    cache_rows = plgpu.load(cache_rows_ref.at[draw], mask=b_mask, other=-1)
+    write = cache_rows >= 0
   # The cache holds pre-temperature logits: the verifier applies its own T.
   # Rows not written point past the cache, never at a row another request
   # writes (the interpreter's scatter has no order between duplicates).
-  write = cache_rows >= 0
   cache_rows = jnp.where(write, cache_rows, cache_ref.shape[0])
   plgpu.store(cache_ref.at[cache_rows[:, None], cols], x,
               mask=write[:, None] & v_mask[None, :])
 
-  scale = plgpu.load(scale_ref.at[pl.ds(b0, block_b)], mask=b_mask, other=1.0)
+  scale = plgpu.load(scale_ref.at[draw], mask=b_mask, other=1.0)
   y = jnp.where(x == x, x, -jnp.inf) * scale[:, None]  # NaN -> -inf
   y = jnp.where(v_mask[None, :], y, -jnp.inf)
   y_max = jnp.max(y, axis=1)
@@ -98,29 +117,38 @@ def _block_pass_kernel(*refs, fused: bool, has_cache_in: bool, block_b: int,
 
 
 def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
-               base_rows: jax.Array, cache_rows: jax.Array, scale: jax.Array,
-               cache: jax.Array | None = None, *, num_cache_rows: int,
-               block_b: int, block_v: int, block_k: int = 64,
-               num_warps: int = 4, num_stages: int = 1,
-               interpret: bool = False):
+               step: jax.Array, scale: jax.Array,
+               cache_rows: jax.Array | None = None,
+               cache: jax.Array | None = None, *, num_steps: int,
+               num_cache_rows: int, block_b: int, block_v: int,
+               block_k: int = 64, k_loop: str = "fori", num_warps: int = 4,
+               num_stages: int = 1, interpret: bool = False):
   """Runs the block pass of one step.
+
+  Draw (b, s) is flat index ``b * S + s`` of ``base``'s rows and of the
+  per-draw arrays, so one step reads them in place: the step index is data,
+  and no slice of them runs as a separate launch.
 
   Args:
     base: [B * S, V] base logits (bf16, fp16 or fp32), request-major rows.
     bias_or_head: ``(bias,)`` with bias float32 [B, V] (reference design), or
       ``(emb, proj)`` with emb [B, R] the embeddings of the previous tokens and
       proj [V, R] (fused: the bias is computed in the kernel).
-    base_rows: int32 [B], the row of ``base`` each request reads this step.
-    cache_rows: int32 [B], the row of the cache each request writes this step,
-      -1 for none (padding).
-    scale: float32 [B], 1 / T, or 1 where the draw is greedy.
+    step: int32 [1], the step s.
+    scale: float32 [B * S], 1 / T per draw, or 1 where the draw is greedy.
+    cache_rows: int32 [B * S], the cache row each draw writes, -1 for none
+      (padding); None for the dense layout, where draw (b, s) writes row
+      b * S + s.
     cache: float32 [num_cache_rows, V] to update in place, or None to return a
-      new cache of which only the rows named in ``cache_rows`` are written.
+      new cache of which only this step's rows are written.
+    num_steps: S (static).
     num_cache_rows: rows of the cache (static).
     block_b: requests per program (1 for the reference design; >= 16 fused,
       the tensor cores' smallest tile).
     block_v: vocabulary columns per program, a power of two.
     block_k: rank columns per dot (fused only), a power of two >= 16.
+    k_loop: "fori" (a loop over rank chunks that Triton can software-pipeline
+      with num_stages) or "static" (unrolled in Python).
     num_warps, num_stages: Triton launch parameters.
     interpret: run the kernel in the Pallas interpreter (CPU).
 
@@ -131,17 +159,23 @@ def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
     vocabulary index of the first max; NB = cdiv(V, block_v).
   """
   fused = len(bias_or_head) == 2
-  batch, vocab = base_rows.shape[0], base.shape[1]
+  batch, vocab = base.shape[0] // num_steps, base.shape[1]
   rank = bias_or_head[1].shape[1] if fused else 0
   num_blocks = pl.cdiv(vocab, block_v)
+  if k_loop not in ("fori", "static"):
+    raise ValueError(f"k_loop must be 'fori' or 'static', got {k_loop!r}")
   precision = None
   if fused and bias_or_head[1].dtype == jnp.float32:
     precision = jax.lax.Precision.HIGHEST  # no tf32: keep float32 products
+  dense = cache_rows is None
   kernel = functools.partial(
-      _block_pass_kernel, fused=fused, has_cache_in=cache is not None,
-      block_b=block_b, block_v=block_v, block_k=block_k, batch=batch,
-      vocab=vocab, rank=rank, precision=precision)
-  inputs = (base, *bias_or_head, base_rows, cache_rows, scale)
+      _block_pass_kernel, fused=fused, dense=dense,
+      has_cache_in=cache is not None, block_b=block_b, block_v=block_v,
+      block_k=block_k, batch=batch, steps=num_steps, vocab=vocab, rank=rank,
+      k_loop=k_loop, precision=precision)
+  inputs = (base, *bias_or_head, step, scale)
+  if not dense:
+    inputs = (*inputs, cache_rows)
   aliases = {}
   if cache is not None:
     aliases = {len(inputs): 0}

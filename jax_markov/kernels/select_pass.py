@@ -26,11 +26,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _select_pass_kernel(bmax_ref, bsum_ref, barg_ref, cache_ref, cache_rows_ref,
-                        scale_ref, greedy_ref, u_ref, embed_ref, tokens_ref,
-                        emb_next_ref, *, num_blocks: int, blocks_pow2: int,
-                        block_v: int, vocab: int, rank: int, rank_pow2: int):
+def _select_pass_kernel(*refs, dense: bool, num_blocks: int, blocks_pow2: int,
+                        block_v: int, steps: int, vocab: int, rank: int,
+                        rank_pow2: int):
+  bmax_ref, bsum_ref, barg_ref, cache_ref, step_ref, *refs = refs
+  cache_rows_ref = None if dense else refs.pop(0)
+  scale_ref, greedy_ref, u_ref, embed_ref, tokens_ref, emb_next_ref = refs
   b = pl.program_id(0)
+  d = b * steps + step_ref[0]  # this draw's flat index in the [B * S] arrays
   blk = jnp.arange(blocks_pow2)
   blk_mask = blk < num_blocks
   bmax = plgpu.load(bmax_ref.at[pl.ds(0, blocks_pow2), b], mask=blk_mask,
@@ -39,7 +42,7 @@ def _select_pass_kernel(bmax_ref, bsum_ref, barg_ref, cache_ref, cache_rows_ref,
                     other=0.0)
   m = jnp.max(bmax)
   finite = (m > -jnp.inf) & (m < jnp.inf)
-  greedy = (greedy_ref[b] != 0) | jnp.logical_not(finite)
+  greedy = (greedy_ref[d] != 0) | jnp.logical_not(finite)
 
   # Greedy: the first block whose max is the row max (blocks are in vocabulary
   # order, so its first-max index is the row's lowest index of the max).
@@ -51,7 +54,7 @@ def _select_pass_kernel(bmax_ref, bsum_ref, barg_ref, cache_ref, cache_rows_ref,
   m_safe = jnp.where(finite, m, 0.0)
   mass = bsum * jnp.exp(bmax - m_safe)
   running = jax.lax.cumsum(mass, axis=0)
-  target = u_ref[b] * jnp.max(running)
+  target = u_ref[d] * jnp.max(running)
   k = jnp.sum((running <= target).astype(jnp.int32))
   last_block = jnp.max(jnp.where(mass > 0, blk, -1))
   k = jnp.clip(jnp.minimum(k, last_block), 0, num_blocks - 1)
@@ -61,10 +64,11 @@ def _select_pass_kernel(bmax_ref, bsum_ref, barg_ref, cache_ref, cache_rows_ref,
   v0 = k * block_v
   col = jnp.arange(block_v)
   v_mask = v0 + col < vocab
-  row = jnp.maximum(cache_rows_ref[b], 0)  # padding rows are greedy
+  # Padding draws (row -1) are greedy: any row in range serves.
+  row = d if dense else jnp.maximum(cache_rows_ref[d], 0)
   x = plgpu.load(cache_ref.at[row, pl.ds(v0, block_v)], mask=v_mask,
                  other=-jnp.inf)
-  y = jnp.where(x == x, x, -jnp.inf) * scale_ref[b]
+  y = jnp.where(x == x, x, -jnp.inf) * scale_ref[d]
   y = jnp.where(v_mask, y, -jnp.inf)
   p = jnp.exp(y - m_safe)
   running_v = jax.lax.cumsum(p, axis=0) + prefix
@@ -87,21 +91,25 @@ def _select_pass_kernel(bmax_ref, bsum_ref, barg_ref, cache_ref, cache_rows_ref,
 
 
 def select_pass(block_max: jax.Array, block_sum: jax.Array,
-                block_argmax: jax.Array, cache: jax.Array,
-                cache_rows: jax.Array, scale: jax.Array, greedy: jax.Array,
-                u: jax.Array, embed: jax.Array, *, block_v: int,
-                num_warps: int = 4, interpret: bool = False):
+                block_argmax: jax.Array, cache: jax.Array, step: jax.Array,
+                scale: jax.Array, greedy: jax.Array, u: jax.Array,
+                embed: jax.Array, cache_rows: jax.Array | None = None, *,
+                num_steps: int, block_v: int, num_warps: int = 4,
+                interpret: bool = False):
   """Runs the select pass of one step.
 
   Args:
     block_max, block_sum, block_argmax: [NB, B] from the block pass.
     cache: float32 [rows, V], the cache the block pass just wrote.
-    cache_rows: int32 [B], the cache row of each request (-1: padding, which
-      must be greedy).
-    scale: float32 [B], 1 / T (1 where greedy).
-    greedy: int32 [B], nonzero where the draw is the argmax.
-    u: float32 [B], the uniforms of this step.
+    step: int32 [1], the step s; draw (b, s) is flat index b * S + s of the
+      per-draw arrays.
+    scale: float32 [B * S], 1 / T (1 where greedy).
+    greedy: int32 [B * S], nonzero where the draw is the argmax.
+    u: float32 [B * S], the uniforms.
     embed: [V_in, R], the Markov head's embedding table.
+    cache_rows: int32 [B * S], the cache row of each draw (-1: padding, which
+      must be greedy); None for the dense layout (row b * S + s).
+    num_steps: S (static).
     block_v: the block pass's block size.
     num_warps: Triton launch parameter.
     interpret: run in the Pallas interpreter (CPU).
@@ -112,10 +120,13 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array,
   num_blocks, batch = block_max.shape
   vocab = cache.shape[1]
   rank = embed.shape[1]
+  dense = cache_rows is None
   kernel = functools.partial(
-      _select_pass_kernel, num_blocks=num_blocks,
+      _select_pass_kernel, dense=dense, num_blocks=num_blocks,
       blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
-      vocab=vocab, rank=rank, rank_pow2=pl.next_power_of_2(rank))
+      steps=num_steps, vocab=vocab, rank=rank,
+      rank_pow2=pl.next_power_of_2(rank))
+  rows = () if dense else (cache_rows,)
   return pl.pallas_call(
       kernel,
       out_shape=(jax.ShapeDtypeStruct((batch,), jnp.int32),
@@ -124,5 +135,5 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="markov_select_pass",
-  )(block_max, block_sum, block_argmax, cache, cache_rows, scale, greedy, u,
+  )(block_max, block_sum, block_argmax, cache, step, *rows, scale, greedy, u,
     embed)

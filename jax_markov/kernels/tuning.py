@@ -29,12 +29,14 @@ class KernelConfig:
     block_b: requests per block-pass program (1 for "reference").
     block_v: vocabulary columns per block-pass program (power of two).
     block_k: rank columns per dot, fused only (power of two >= 16).
+    k_loop: fused only: "fori" loops over the rank chunks in a loop Triton
+      software-pipelines (num_stages deep); "static" unrolls it in Python.
     num_warps, num_stages: Triton parameters of the block pass.
     select_warps: Triton warps of the select pass.
-    unroll: unroll the scan over steps; None: unroll when compiled. On GPU a
-      rolled loop reads its trip predicate back to the host every step;
-      unrolled, all 2S launches are queued at once. The interpreter compiles
-      faster rolled.
+    unroll: unroll the steps; None: unroll when compiled. On GPU a rolled
+      loop reads its trip predicate back to the host every step; unrolled,
+      all 2S launches are queued at once with constant step indices. The
+      interpreter compiles faster rolled.
   """
   method: str = "fused"
   block_b: int = 16
@@ -44,10 +46,13 @@ class KernelConfig:
   num_stages: int = 1
   select_warps: int = 4
   unroll: bool | None = None
+  k_loop: str = "fori"
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+    if self.k_loop not in ("fori", "static"):
+      raise ValueError(f"k_loop must be 'fori' or 'static', got {self.k_loop!r}")
     for name in ("block_b", "block_v", "block_k", "num_warps"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
@@ -69,8 +74,8 @@ def _batch_bucket(batch: int) -> int:
 # benchmarks/tune.py's sweep on an H200 (benchmarks/results/tune-*.json).
 TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     ("reference", 129280, 256, 1): KernelConfig("reference", 1, 1024, 64, 8, 1),
-    ("fused", 129280, 256, 64): KernelConfig("fused", 64, 256, 64, 4, 1),
-    ("fused", 129280, 256, 256): KernelConfig("fused", 64, 256, 64, 4, 3),
+    ("fused", 129280, 256, 64): KernelConfig("fused", 64, 256, 64, 4, 1, k_loop="static"),
+    ("fused", 129280, 256, 256): KernelConfig("fused", 64, 256, 64, 4, 3, k_loop="static"),
 }
 
 
