@@ -1,88 +1,125 @@
 """Sweeps kernel configurations for one shape on a GPU; prints the best per batch.
 
-  python benchmarks/tune.py --vocab 129280 --rank 256 --steps 7 --batches 1 64 256
+  python benchmarks/tune.py --shape dsv4 --batches 1 64 256 --out tune.json
 
 The winners go into jax_markov/kernels/tuning.py's TABLE by hand (a committed
-table: no search at call time). Times are medians of jitted calls timed to
-block_until_ready, inputs rotated over 4 copies so proj/base do not sit in L2.
+table: no search at call time). Inputs are the benchmark's synthetic ones
+(benchmarks/common.py), rotated between calls when they would fit in L2, and
+each configuration is timed as the benchmark times jax_markov: groups of calls
+issued back to back, the host clock around each group, the median per call.
+So a tuning time and a benchmark time of the same configuration agree.
+
+``--inspect`` also prints what the compiled draft launches: the number of
+Pallas kernels, other kernels (fusions, GEMMs) and command-buffer (CUDA
+graph) regions in the optimised HLO, which shows what XLA_FLAGS changed.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import os
+import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-import jax_markov as jm
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
-def _time(fn, args_list, repeats):
-  for a in args_list:
-    jax.block_until_ready(fn(*a))
-  ts = []
-  for i in range(repeats):
-    a = args_list[i % len(args_list)]
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*a))
-    ts.append(time.perf_counter() - t0)
-  return 1e3 * float(np.median(ts))
+import jax_markov as jm  # noqa: E402
+from benchmarks import common  # noqa: E402
 
 
-def candidates(batch):
-  for v, w, st in itertools.product((128, 256, 512), (4, 8), (1, 3)):
-    for bb in sorted({16, min(64, max(16, 1 << (batch - 1).bit_length()))}):
-      yield jm.KernelConfig("fused", bb, v, 64, w, st)
-  for v, w in itertools.product((1024, 2048, 4096), (4, 8)):
+def candidates(batch: int, grid: str):
+  """Configurations to try at a batch size ("full" or "quick" grid)."""
+  pipelines = [("fori", 3), ("fori", 4), ("static", 1)]
+  if grid == "quick":
+    pipelines = [("fori", 3), ("static", 1)]
+  if batch <= 16:
+    tiles = [(16, v) for v in (128, 256, 512)]
+  else:
+    tiles = [(bb, v) for bb in (32, 64) for v in (128, 256)]
+    if batch >= 128:
+      tiles.append((128, 64))
+  for (bb, v), w, (loop, st) in itertools.product(tiles, (4, 8), pipelines):
+    yield jm.KernelConfig("fused", bb, v, 64, w, st, k_loop=loop)
+  for v, w in itertools.product((1024, 4096), (4, 8)):
     yield jm.KernelConfig("reference", 1, v, 64, w, 1)
+
+
+def launch_counts(fn, *args) -> dict:
+  """Kernels the compiled function launches, read off its optimised HLO."""
+  text = fn.lower(*args).compile().as_text()
+  return dict(
+      pallas=len(re.findall(r"custom_call_target=\"__gpu\$xla\.gpu\.triton\"",
+                            text)),
+      fusions=len(re.findall(r" fusion\(.*kind=k", text)),
+      gemms=len(re.findall(r"custom_call_target=\"__cublas", text)),
+      command_buffers=len(re.findall(r"command_buffer", text)),
+  )
 
 
 def main(argv=None):
   p = argparse.ArgumentParser()
-  p.add_argument("--vocab", type=int, default=129280)
-  p.add_argument("--rank", type=int, default=256)
-  p.add_argument("--steps", type=int, default=7)
+  p.add_argument("--shape", default="dsv4", choices=sorted(common.SHAPES))
   p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
-  p.add_argument("--repeats", type=int, default=40)
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--repeats", type=int, default=60)
+  p.add_argument("--group", type=int, default=5)
+  p.add_argument("--grid", choices=("full", "quick"), default="full")
+  p.add_argument("--only-default", action="store_true",
+                 help="time the table's choice only (e.g. to compare XLA_FLAGS)")
+  p.add_argument("--inspect", action="store_true")
   p.add_argument("--out", default=None)
   a = p.parse_args(argv)
+  shape = common.SHAPES[a.shape]
   rows = []
-  V, R, S = a.vocab, a.rank, a.steps
   for B in a.batches:
-    rng = np.random.default_rng(B)
-    args_list = []
-    for c in range(4):
-      base = jnp.asarray(rng.standard_normal((B, S, V)), jnp.bfloat16)
-      head = jm.MarkovHead(jnp.asarray(0.1 * rng.standard_normal((V, R)), jnp.bfloat16),
-                           jnp.asarray(0.1 * rng.standard_normal((V, R)), jnp.bfloat16))
-      anchor = jnp.asarray(rng.integers(0, V, B), jnp.int32)
-      t = jnp.ones((B,), jnp.float32)
-      words = jm.rng.seed_words(np.arange(B, dtype=np.int64) + c)
-      pos = jnp.tile(jnp.arange(S, dtype=jnp.int32), (B, 1))
-      args_list.append((base, anchor, head, t, words, pos))
+    sets = [common.jax_inputs(shape, B, k)
+            for k in range(common.num_input_sets(shape, B))]
+    heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in sets]
+    seeds, positions = common.seeds_and_positions(B, shape.S)
+    words = jm.rng.seed_words(seeds)
+    positions = jnp.asarray(positions)
+    temperature = jnp.full((B,), a.temperature, jnp.float32)
+    floor_ms = None
+    cfgs = ([jm.tuning.choose(None, B, shape.V, shape.R, interpret=False)]
+            if a.only_default else list(candidates(B, a.grid)))
     best = None
-    for cfg in candidates(B):
-      fn = lambda *x, cfg=cfg: jm.sample_draft(*x, config=cfg, check_values=False)
+    for cfg in cfgs:
+      calls = [(lambda d=d, h=h, cfg=cfg: jm.sample_draft(
+          d["base"], d["anchors"], h, temperature, words, positions,
+          config=cfg, check_values=False)) for d, h in zip(sets, heads)]
+      run = common.round_robin(calls, finish=jax.block_until_ready)
       try:
-        ms = _time(fn, args_list, a.repeats)
-      except Exception as e:  # a config Triton cannot compile (shared memory)
-        print(f"B={B} {cfg}: failed {type(e).__name__}", file=sys.stderr, flush=True)
+        run(3)
+        ms, _ = common.wall_clock_median(run, a.repeats, a.group)
+      except Exception as e:  # noqa: BLE001 -- a config Triton cannot build
+        print(f"B={B} {cfg}: failed {type(e).__name__}: {str(e)[:200]}",
+              file=sys.stderr, flush=True)
         continue
-      rows.append(dict(batch=B, ms=ms, **cfg.__dict__))
+      row = dict(shape=a.shape, batch=B, temperature=a.temperature, ms=ms,
+                 xla_flags=os.environ.get("XLA_FLAGS", ""),
+                 **dataclasses.asdict(cfg))
+      if a.inspect:
+        d = sets[0]
+        row["launches"] = launch_counts(
+            jm.sampler._sample_draft, d["base"], d["anchors"], heads[0],
+            temperature, words, positions, config=cfg, interpret=False)
+      rows.append(row)
       print(f"B={B:4d} {cfg.method:9s} bb={cfg.block_b:3d} bv={cfg.block_v:5d} "
-            f"w={cfg.num_warps} st={cfg.num_stages}: {ms:.4f} ms", flush=True)
+            f"w={cfg.num_warps} st={cfg.num_stages} {cfg.k_loop:6s}: "
+            f"{ms:.4f} ms {row.get('launches', '')}", flush=True)
       if best is None or ms < best[0]:
         best = (ms, cfg)
-    print(f"BEST B={B}: {best[0]:.4f} ms {best[1]}", flush=True)
-    del args_list
-  if a.out:
-    with open(a.out, "w") as f:
-      json.dump(rows, f, indent=1)
+    if best:
+      print(f"BEST B={B}: {best[0]:.4f} ms {best[1]}", flush=True)
+    if a.out:  # after each batch: a run cut short keeps what it measured
+      common.write_json(a.out, rows)
+    del sets, heads
   return 0
 
 
