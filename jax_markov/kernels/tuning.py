@@ -112,4 +112,4 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
                         8 if batch <= 4 else 4)
   block_b = min(64, max(16, _next_pow2(batch)))
   return KernelConfig(method, block_b, min(256, max(16, _next_pow2(vocab))),
-                      min(64, max(16, _next_pow2(rank))), 4, 1)
+                      min(64, max(16, _next_pow2(rank))), 4, 3)
