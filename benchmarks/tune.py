@@ -31,10 +31,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax_markov as jm  # noqa: E402
 from benchmarks import common  # noqa: E402
+from jax_markov.kernels import tuning  # noqa: E402
 
 
-def candidates(batch: int, grid: str):
-  """Configurations to try at a batch size ("full" or "quick" grid)."""
+def candidates(batch: int, grid: str, shape: common.Shape):
+  """Configurations to try at a batch size ("full", "quick" or "refine").
+
+  "refine" varies what "full" holds fixed (rank chunk, pipeline depth, select
+  warps) around the table's entry.
+  """
+  if grid == "refine":
+    base = tuning.choose("fused", batch, shape.V, shape.R, interpret=False)
+    for bk, st in itertools.product((32, 64, 128), (2, 3)):
+      yield dataclasses.replace(base, block_k=bk, num_stages=st)
+    for sw in (1, 2, 8):
+      yield dataclasses.replace(base, select_warps=sw)
+    return
   pipelines = [("fori", 3), ("fori", 4), ("static", 1)]
   if grid == "quick":
     pipelines = [("fori", 3), ("static", 1)]
@@ -69,7 +81,7 @@ def main(argv=None):
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--repeats", type=int, default=60)
   p.add_argument("--group", type=int, default=5)
-  p.add_argument("--grid", choices=("full", "quick"), default="full")
+  p.add_argument("--grid", choices=("full", "quick", "refine"), default="full")
   p.add_argument("--only-default", action="store_true",
                  help="time the table's choice only (e.g. to compare XLA_FLAGS)")
   p.add_argument("--inspect", action="store_true")
@@ -86,8 +98,8 @@ def main(argv=None):
     positions = jnp.asarray(positions)
     temperature = jnp.full((B,), a.temperature, jnp.float32)
     floor_ms = None
-    cfgs = ([jm.tuning.choose(None, B, shape.V, shape.R, interpret=False)]
-            if a.only_default else list(candidates(B, a.grid)))
+    cfgs = ([tuning.choose(None, B, shape.V, shape.R, interpret=False)]
+            if a.only_default else list(candidates(B, a.grid, shape)))
     best = None
     for cfg in cfgs:
       calls = [(lambda d=d, h=h, cfg=cfg: jm.sample_draft(
@@ -111,7 +123,8 @@ def main(argv=None):
             temperature, words, positions, config=cfg, interpret=False)
       rows.append(row)
       print(f"B={B:4d} {cfg.method:9s} bb={cfg.block_b:3d} bv={cfg.block_v:5d} "
-            f"w={cfg.num_warps} st={cfg.num_stages} {cfg.k_loop:6s}: "
+            f"bk={cfg.block_k:3d} w={cfg.num_warps} st={cfg.num_stages} "
+            f"sw={cfg.select_warps} {cfg.k_loop:6s}: "
             f"{ms:.4f} ms {row.get('launches', '')}", flush=True)
       if best is None or ms < best[0]:
         best = (ms, cfg)

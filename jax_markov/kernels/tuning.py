@@ -73,21 +73,22 @@ def _batch_bucket(batch: int) -> int:
 # (method, vocab, rank, batch bucket) -> KernelConfig, the fastest of
 # benchmarks/tune.py's sweep on an H200 (benchmarks/results/tune-*.json).
 TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
-    ("reference", 129280, 256, 1): KernelConfig("reference", 1, 1024, 64, 8, 1),
-    ("fused", 129280, 256, 64): KernelConfig("fused", 64, 256, 64, 4, 1, k_loop="static"),
-    ("fused", 129280, 256, 256): KernelConfig("fused", 64, 256, 64, 4, 3, k_loop="static"),
+    ("fused", 129280, 256, 1): KernelConfig("fused", 16, 128, 64, 8, 3),
+    ("fused", 129280, 256, 64): KernelConfig("fused", 64, 128, 64, 4, 3),
+    ("fused", 129280, 256, 256): KernelConfig("fused", 64, 128, 64, 4, 3),
+    ("reference", 129280, 256, 1): KernelConfig("reference", 1, 4096, 64, 8, 1),
 }
 
 
 def default_method(batch: int, vocab: int, rank: int) -> str:
   """The faster method for a shape, by the sweep (docs/perf-notes.md).
 
-  At B <= 4 the fused tile of 16 requests wastes most of its dot and the
-  reference design's cuBLAS GEMV plus wide blocks won (0.46 vs 0.54 ms at the
-  DeepSeek-V4 shape, B = 1); from B = 64 on, fused won (0.71 vs 0.77 ms).
+  With the rank loop software-pipelined, fused won at every batch swept at the
+  DeepSeek-V4 shape (B = 1: 0.246 vs 0.265 ms for the best reference config;
+  B = 256: 0.88 vs 1.20 ms).
   """
-  del vocab, rank
-  return "reference" if batch <= 4 else "fused"
+  del batch, vocab, rank
+  return "fused"
 
 
 def choose(method: str | None, batch: int, vocab: int, rank: int, *,
@@ -111,5 +112,6 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
     return KernelConfig(method, 1, min(block_v, _next_pow2(vocab)), 64,
                         8 if batch <= 4 else 4)
   block_b = min(64, max(16, _next_pow2(batch)))
-  return KernelConfig(method, block_b, min(256, max(16, _next_pow2(vocab))),
+  block_v = 128 if block_b == 64 else 256  # the accumulator fits in registers
+  return KernelConfig(method, block_b, min(block_v, max(16, _next_pow2(vocab))),
                       min(64, max(16, _next_pow2(rank))), 4, 3)
