@@ -41,11 +41,15 @@ def candidates(batch: int, grid: str, shape: common.Shape):
   warps) around the table's entry.
   """
   if grid == "refine":
-    base = tuning.choose("fused", batch, shape.V, shape.R, interpret=False)
-    for bk, st in itertools.product((32, 64, 128), (2, 3)):
-      yield dataclasses.replace(base, block_k=bk, num_stages=st)
-    for sw in (1, 2, 8):
-      yield dataclasses.replace(base, select_warps=sw)
+    if batch <= 16:
+      tiles = [(16, 128, 64, 8, 3), (16, 128, 128, 8, 2), (16, 256, 64, 8, 3),
+               (16, 256, 128, 8, 2), (16, 512, 64, 8, 2), (16, 256, 64, 4, 3)]
+    else:
+      tiles = [(64, 128, 64, 4, 3), (64, 128, 64, 4, 2), (64, 128, 32, 4, 3),
+               (64, 256, 32, 8, 3), (64, 256, 32, 8, 2), (64, 64, 64, 4, 3),
+               (min(128, batch), 128, 32, 8, 3), (min(128, batch), 128, 64, 8, 2)]
+    for bb, bv, bk, w, st in tiles:
+      yield jm.KernelConfig("fused", bb, bv, bk, w, st)
     return
   pipelines = [("fori", 3), ("fori", 4), ("static", 1)]
   if grid == "quick":
@@ -62,9 +66,9 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     yield jm.KernelConfig("reference", 1, v, 64, w, 1)
 
 
-def launch_counts(fn, *args) -> dict:
+def launch_counts(fn, *args, **kwargs) -> dict:
   """Kernels the compiled function launches, read off its optimised HLO."""
-  text = fn.lower(*args).compile().as_text()
+  text = fn.lower(*args, **kwargs).compile().as_text()
   return dict(
       pallas=len(re.findall(r"custom_call_target=\"__gpu\$xla\.gpu\.triton\"",
                             text)),
@@ -120,7 +124,8 @@ def main(argv=None):
         d = sets[0]
         row["launches"] = launch_counts(
             jm.sampler._sample_draft, d["base"], d["anchors"], heads[0],
-            temperature, words, positions, config=cfg, interpret=False)
+            temperature, words, positions, config=cfg,
+            interpret=jax.default_backend() != "gpu")
       rows.append(row)
       print(f"B={B:4d} {cfg.method:9s} bb={cfg.block_b:3d} bv={cfg.block_v:5d} "
             f"bk={cfg.block_k:3d} w={cfg.num_warps} st={cfg.num_stages} "

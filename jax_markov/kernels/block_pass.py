@@ -73,7 +73,10 @@ def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
                                        precision=precision,
                                        preferred_element_type=jnp.float32)
 
-    acc = jnp.zeros((block_b, block_v), jnp.float32)
+    # The base tile is the accumulator's initial value: no second [block_b,
+    # block_v] float32 tile stays live across the rank loop (registers are
+    # what limits the programs per multiprocessor).
+    acc = x
     num_chunks = pl.cdiv(rank, block_k)
     if k_loop == "fori":
       # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
@@ -83,7 +86,7 @@ def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
     else:  # "static": unrolled in Python, no software pipelining
       for c in range(num_chunks):
         acc = rank_chunk(c * block_k, acc)
-    x = x + acc
+    x = acc
   else:
     rows = jnp.where(b_mask, b_idx, 0)
     x = x + plgpu.load(bias_ref.at[rows[:, None], cols], mask=tile_mask,
