@@ -2,14 +2,14 @@
 
 ``choose`` looks the shape up in ``TABLE`` (entries measured on an H200 with
 ``benchmarks/tune.py``; see docs/perf-notes.md) and otherwise falls back to a
-rule that keeps enough programs in flight to fill the GPU:
+rule:
 
-* reference design (the default at B <= 4): one request per program,
-  vocabulary blocks of 1024 at tiny batches (B * V / 1024 programs) and 4096
-  otherwise;
-* fused (the default from B = 5): request tiles of 16..64 (the tensor cores'
-  smallest M is 16) and blocks of 256 columns, so proj is streamed once per
-  step per request tile.
+* fused (the default at every batch): request tiles of 16..64 (the tensor
+  cores' smallest M is 16), 256 vocabulary columns per program (128 with
+  64-request tiles, so the float32 accumulator stays in registers), rank
+  chunks of 64 in a loop Triton pipelines 3 stages deep;
+* reference design (selectable): one request per program, vocabulary blocks
+  of 1024 at B <= 4 and 4096 above.
 """
 
 from __future__ import annotations
