@@ -233,17 +233,23 @@ def test_into_donation_updates_in_place():
   np.testing.assert_array_equal(tokens, tokens2)
 
 
-def test_into_state_rows_may_change_between_steps():
-  """idx_map[b, s] names the state row of each draw, not only of each request."""
-  cache, base, anchor, head, temperature, seeds, _, pos = _into_problem(seed=17, N=12)
+def _check_changing_rows(seed, config=None):
+  """Draws into state rows that change between steps; checks against the reference."""
+  cache, base, anchor, head, temperature, seeds, _, pos = _into_problem(seed=seed, N=12)
   idx_map = jnp.asarray([[0, 5, 11], [3, -1, 4], [7, 8, 0], [1, 1, 1], [-1, 2, 3]],
                         jnp.int32)
   before = np.asarray(cache)
   ref_tokens, ref_cache = jm.reference.sample_draft_into(
       cache, base, anchor, head, temperature, seeds, idx_map, pos)
   tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
-                                           seeds, idx_map, pos, donate=False)
+                                           seeds, idx_map, pos, config=config,
+                                           donate=False)
   _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache, before)
+
+
+def test_into_state_rows_may_change_between_steps():
+  """idx_map[b, s] names the state row of each draw, not only of each request."""
+  _check_changing_rows(seed=17)
 
 
 def test_base_dtype_may_differ_from_the_head():
@@ -262,20 +268,15 @@ def test_loop_forms_agree(unroll, k_loop):
   static) change the program, never the draft: both layouts, against the
   reference."""
   args = make_problem(5, 3, 300, 80, seed=19)
-  config = jm.KernelConfig("fused", 16, 128, 32, unroll=unroll, k_loop=k_loop)
-  draft = jm.sample_draft(*args, config=config)
   ref_tokens, ref_logits = jm.reference.sample_draft(*args)
-  np.testing.assert_array_equal(draft.tokens, ref_tokens)
-  np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+  for method, block_b in METHODS_AND_TILES:
+    config = jm.KernelConfig(method, block_b, 128, 32, unroll=unroll, k_loop=k_loop)
+    draft = jm.sample_draft(*args, config=config)
+    np.testing.assert_array_equal(draft.tokens, ref_tokens)
+    np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
 
-  cache, base, anchor, head, temperature, seeds, _, pos = _into_problem(seed=20, N=12)
-  idx_map = jnp.asarray([[0, 5, 11], [3, -1, 4], [7, 8, 0], [1, 1, 1], [-1, 2, 3]],
-                        jnp.int32)
-  before = np.asarray(cache)
-  ref_tokens, ref_cache = jm.reference.sample_draft_into(
-      cache, base, anchor, head, temperature, seeds, idx_map, pos)
-  config = jm.KernelConfig("reference", 1, 64, unroll=unroll, k_loop=k_loop)
-  tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
-                                           seeds, idx_map, pos, config=config,
-                                           donate=False)
-  _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache, before)
+  _check_changing_rows(20, jm.KernelConfig("fused", 16, 64, 16, unroll=unroll,
+                                            k_loop=k_loop))
+
+
+METHODS_AND_TILES = [("fused", 16), ("reference", 1)]
