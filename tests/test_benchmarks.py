@@ -333,3 +333,22 @@ def test_a_failing_impl_is_reported_and_the_others_run(tmp_path):
   assert any(n.startswith("bad failed at tiny|1 T=0") and "boom" in n
              for n in notices)
   assert "skip skipped: not here" in notices
+
+
+def test_tune_and_profile_scripts_smoke(tmp_path):
+  """benchmarks/tune.py (the sweep behind kernels/tuning.py's table) and
+  benchmarks/profile_draft.py (the ncu target) run end to end on the tiny shape."""
+  from benchmarks import profile_draft, tune
+  out = tmp_path / "tune.json"
+  assert tune.main(["--shape", "tiny", "--batches", "2", "--only-default",
+                    "--inspect", "--repeats", "1", "--group", "1",
+                    "--out", str(out)]) == 0
+  rows = json.loads(out.read_text())
+  assert len(rows) == 1 and rows[0]["batch"] == 2 and rows[0]["ms"] > 0
+  assert rows[0]["method"] == "fused" and rows[0]["k_loop"] == "fori"
+  assert set(rows[0]["launches"]) == {"pallas", "fusions", "gemms",
+                                      "command_buffers"}
+  cfgs = list(tune.candidates(64, "full", common.SHAPES["dsv4"]))
+  assert {c.method for c in cfgs} == {"fused", "reference"}
+  assert {c.k_loop for c in cfgs} == {"fori", "static"}
+  assert profile_draft.main(["--shape", "tiny", "--batch", "2", "--drafts", "1"]) == 0
