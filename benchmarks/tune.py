@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
-import json
 import os
 import re
 import sys
@@ -37,8 +36,8 @@ from jax_markov.kernels import tuning  # noqa: E402
 def candidates(batch: int, grid: str, shape: common.Shape):
   """Configurations to try at a batch size ("full", "quick" or "refine").
 
-  "refine" varies what "full" holds fixed (rank chunk, pipeline depth, select
-  warps) around the table's entry.
+  "refine" varies what "full" holds fixed (rank chunk, pipeline depth) over
+  hand-picked tiles near the table's entries.
   """
   if grid == "refine":
     if batch <= 16:
@@ -101,7 +100,6 @@ def main(argv=None):
     words = jm.rng.seed_words(seeds)
     positions = jnp.asarray(positions)
     temperature = jnp.full((B,), a.temperature, jnp.float32)
-    floor_ms = None
     cfgs = ([tuning.choose(None, B, shape.V, shape.R, interpret=False)]
             if a.only_default else list(candidates(B, a.grid, shape)))
     best = None

@@ -79,8 +79,8 @@ def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
   emb = head.embed[anchor_tokens]
   unroll = not interpret if config.unroll is None else config.unroll
   if unroll:
-    # A Python loop: the step index of each launch is a constant, so the
-    # draft is 2S launches (3S with the reference GEMM) and nothing else.
+    # A Python loop: the step index of each launch is a constant, so each
+    # step is 2 launches (3 with the reference GEMM) and no slicing kernels.
     tokens = []
     for s in range(S):
       cache, emb, t = step(cache, emb, jnp.full((1,), s, jnp.int32))
