@@ -68,8 +68,9 @@ def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
         base_flat, bias_or_head, s, scale, cache_rows, cache, num_steps=S,
         num_cache_rows=num_cache_rows, block_b=config.block_b,
         block_v=config.block_v, block_k=config.block_k,
-        k_loop=config.k_loop, num_warps=config.num_warps,
-        num_stages=config.num_stages, interpret=interpret)
+        k_loop=config.k_loop, serpentine=config.serpentine,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        interpret=interpret)
     tokens, emb = select_pass(
         bmax, bsum, barg, cache, s, scale, greedy, u, head.embed, cache_rows,
         num_steps=S, block_v=config.block_v, num_warps=config.select_warps,

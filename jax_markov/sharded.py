@@ -253,7 +253,7 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
         scale_flat, None, cache, num_steps=S, num_cache_rows=B * S,
         block_b=config.block_b, block_v=config.block_v,
         block_k=config.block_k, k_loop=config.k_loop,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        serpentine=config.serpentine, num_warps=config.num_warps, num_stages=config.num_stages,
         interpret=interpret)
     owner, block, is_greedy, m_safe, prefix, target = decide(
         bmax, bsum, u[:, s], greedy[:, s], axis=axis, shard=shard,

@@ -261,22 +261,25 @@ def test_base_dtype_may_differ_from_the_head():
   check_sample_draft(draft, base32, anchor, head, t, seeds, pos)
 
 
-@pytest.mark.parametrize("unroll,k_loop", [(True, "fori"), (True, "static"),
-                                           (False, "static")])
-def test_loop_forms_agree(unroll, k_loop):
-  """The step loop (Python-unrolled or lax.scan) and the rank loop (fori or
-  static) change the program, never the draft: both layouts, against the
-  reference."""
+@pytest.mark.parametrize("unroll,k_loop,serpentine",
+                         [(True, "fori", True), (True, "static", False),
+                          (False, "static", True), (False, "fori", False)])
+def test_loop_forms_agree(unroll, k_loop, serpentine):
+  """The step loop (Python-unrolled or lax.scan), the rank loop (fori or
+  static) and the vocabulary order of odd steps change the program, never the
+  draft: both layouts, against the reference."""
   args = make_problem(5, 3, 300, 80, seed=19)
   ref_tokens, ref_logits = jm.reference.sample_draft(*args)
   for method, block_b in METHODS_AND_TILES:
-    config = jm.KernelConfig(method, block_b, 128, 32, unroll=unroll, k_loop=k_loop)
+    config = jm.KernelConfig(method, block_b, 128, 32, unroll=unroll,
+                             k_loop=k_loop, serpentine=serpentine)
     draft = jm.sample_draft(*args, config=config)
     np.testing.assert_array_equal(draft.tokens, ref_tokens)
     np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
 
   _check_changing_rows(20, jm.KernelConfig("fused", 16, 64, 16, unroll=unroll,
-                                            k_loop=k_loop))
+                                            k_loop=k_loop,
+                                            serpentine=serpentine))
 
 
 METHODS_AND_TILES = [("fused", 16), ("reference", 1)]

@@ -30,7 +30,7 @@ from jax.experimental.pallas import triton as plgpu
 def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
                        block_b: int, block_v: int, block_k: int, batch: int,
                        steps: int, vocab: int, rank: int, k_loop: str,
-                       precision):
+                       serpentine: bool, precision):
   if fused:
     base_ref, emb_ref, proj_ref, *refs = refs
   else:
@@ -43,6 +43,12 @@ def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
 
   i = pl.program_id(0)
   j = pl.program_id(1)
+  if serpentine:
+    # Odd steps walk the vocabulary from its end: the programs that start
+    # first then read the proj blocks the step before read last, which are
+    # still in L2 (proj is the same every step and larger than L2, so in one
+    # direction each step would evict what the next one needs first).
+    j = jnp.where(step_ref[0] % 2 == 1, pl.num_programs(1) - 1 - j, j)
   b0 = i * block_b
   v0 = j * block_v
   b_idx = b0 + jnp.arange(block_b)
@@ -124,7 +130,8 @@ def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
                cache_rows: jax.Array | None = None,
                cache: jax.Array | None = None, *, num_steps: int,
                num_cache_rows: int, block_b: int, block_v: int,
-               block_k: int = 64, k_loop: str = "fori", num_warps: int = 4,
+               block_k: int = 64, k_loop: str = "fori",
+               serpentine: bool = True, num_warps: int = 4,
                num_stages: int = 1, interpret: bool = False):
   """Runs the block pass of one step.
 
@@ -152,6 +159,9 @@ def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
     block_k: rank columns per dot (fused only), a power of two >= 16.
     k_loop: "fori" (a loop over rank chunks that Triton can software-pipeline
       with num_stages) or "static" (unrolled in Python).
+    serpentine: on odd steps, map the programs to the vocabulary blocks in
+      reverse order, so a step starts on the blocks (of proj) the step before
+      touched last, which L2 still holds. The results do not depend on it.
     num_warps, num_stages: Triton launch parameters.
     interpret: run the kernel in the Pallas interpreter (CPU).
 
@@ -175,7 +185,7 @@ def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
       _block_pass_kernel, fused=fused, dense=dense,
       has_cache_in=cache is not None, block_b=block_b, block_v=block_v,
       block_k=block_k, batch=batch, steps=num_steps, vocab=vocab, rank=rank,
-      k_loop=k_loop, precision=precision)
+      k_loop=k_loop, serpentine=serpentine, precision=precision)
   inputs = (base, *bias_or_head, step, scale)
   if not dense:
     inputs = (*inputs, cache_rows)

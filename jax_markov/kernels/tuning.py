@@ -37,6 +37,9 @@ class KernelConfig:
       loop reads its trip predicate back to the host every step; unrolled,
       all 2S launches are queued at once with constant step indices. The
       interpreter compiles faster rolled.
+    serpentine: the block pass walks the vocabulary backwards on odd steps,
+      so each step starts on the proj blocks that L2 still holds from the
+      step before (proj is read every step and is larger than L2).
   """
   method: str = "fused"
   block_b: int = 16
@@ -47,6 +50,7 @@ class KernelConfig:
   select_warps: int = 4
   unroll: bool | None = None
   k_loop: str = "fori"
+  serpentine: bool = True
 
   def __post_init__(self):
     if self.method not in METHODS:
