@@ -34,11 +34,23 @@ from jax_markov.kernels import tuning  # noqa: E402
 
 
 def candidates(batch: int, grid: str, shape: common.Shape):
-  """Configurations to try at a batch size ("full", "quick" or "refine").
+  """Configurations to try at a batch size ("full", "quick", "refine", "fma").
 
   "refine" varies what "full" holds fixed (rank chunk, pipeline depth) over
   hand-picked tiles near the table's entries.
   """
+  if grid == "fma":
+    # The bias on the CUDA cores: request tiles below the tensor cores' 16,
+    # block_b * block_v * block_k <= 2048 * warps (64 float32 products a
+    # thread).
+    bb = min(_pow2_at_least(batch), 8)
+    for bv, bk, w, (loop, st) in itertools.product(
+        (64, 128, 256), (32, 64, 128), (4, 8),
+        (("fori", 3), ("static", 1))):
+      if bb * bv * bk <= 2048 * w:
+        yield jm.KernelConfig("fused", bb, bv, bk, w, st, k_loop=loop,
+                              bias_dot="fma")
+    return
   if grid == "refine":
     if batch <= 16:
       tiles = [(16, 128, 64, 8, 3), (16, 128, 128, 8, 2), (16, 256, 64, 8, 3),
@@ -65,6 +77,10 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     yield jm.KernelConfig("reference", 1, v, 64, w, 1)
 
 
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, (n - 1).bit_length())
+
+
 def launch_counts(fn, *args, **kwargs) -> dict:
   """Kernels the compiled function launches, read off its optimised HLO."""
   text = fn.lower(*args, **kwargs).compile().as_text()
@@ -84,7 +100,7 @@ def main(argv=None):
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--repeats", type=int, default=60)
   p.add_argument("--group", type=int, default=5)
-  p.add_argument("--grid", choices=("full", "quick", "refine"), default="full")
+  p.add_argument("--grid", choices=("full", "quick", "refine", "fma"), default="full")
   p.add_argument("--only-default", action="store_true",
                  help="time the table's choice only (e.g. to compare XLA_FLAGS)")
   p.add_argument("--inspect", action="store_true")
@@ -127,7 +143,7 @@ def main(argv=None):
       rows.append(row)
       print(f"B={B:4d} {cfg.method:9s} bb={cfg.block_b:3d} bv={cfg.block_v:5d} "
             f"bk={cfg.block_k:3d} w={cfg.num_warps} st={cfg.num_stages} "
-            f"sw={cfg.select_warps} {cfg.k_loop:6s}: "
+            f"sw={cfg.select_warps} {cfg.k_loop:6s} {cfg.bias_dot}: "
             f"{ms:.4f} ms {row.get('launches', '')}", flush=True)
       if best is None or ms < best[0]:
         best = (ms, cfg)

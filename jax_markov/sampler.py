@@ -3,8 +3,9 @@
 A step is two Pallas launches (block pass, select pass), plus the bias GEMM in
 XLA for the reference design. Compiled, the steps are a Python loop (each
 launch gets its step index as a constant); in the interpreter they are a
-lax.scan, which compiles faster. The cache and the embeddings of the tokens
-just drawn pass from step to step on the device: nothing returns to the host.
+lax.scan, which compiles faster. The cache and the tokens drawn so far pass
+from step to step on the device (the block pass gathers the previous token's
+embedding row itself): nothing returns to the host.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ def _interpret_default(interpret: bool | None) -> bool:
   return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
-def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
+def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
                *, num_cache_rows: int, config: tuning.KernelConfig,
                interpret: bool):
   """Runs the S steps.
@@ -39,8 +40,9 @@ def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
     cache: float32 [num_cache_rows, V] updated in place, or None: step 0 then
       creates it (no memset: every row gets written by some step).
     base: [B, S, V]; anchor_tokens: int32 [B].
-    scale, greedy, u: [B, S] per draw.
-    cache_rows: int32 [B, S], the flat cache row of each draw (-1 none), or
+    params: float32 [3, B * S], per draw (b, s) at b * S + s: 1 / T (1 where
+      greedy), 1.0 where greedy (else 0), and the uniform.
+    cache_rows: int32 [B * S], the flat cache row of each draw (-1 none), or
       None for the dense layout (draw (b, s) writes row b * S + s).
 
   Returns:
@@ -48,70 +50,62 @@ def _run_steps(cache, base, anchor_tokens, head, scale, greedy, u, cache_rows,
   """
   B, S, V = base.shape
   base_flat = base.reshape(B * S, V)
-  # The kernels read draw (b, s) at flat index b * S + s: no per-step slices.
-  scale, greedy, u = (a.reshape(B * S) for a in (scale, greedy, u))
-  if cache_rows is not None:
-    cache_rows = cache_rows.reshape(B * S)
   proj_dtype = head.proj.dtype
   gemm_precision = (jax.lax.Precision.HIGHEST if proj_dtype == jnp.float32
                     else jax.lax.Precision.DEFAULT)
 
-  def step(cache, emb, s):
-    """One step; s is int32 [1]."""
+  def step(cache, tokens, s):
+    """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
     if config.method == "fused":
-      bias_or_head = (emb, head.proj)
+      # The block pass gathers the previous tokens' embedding rows itself.
+      bias_or_head = (head.embed, head.proj, anchor_tokens, tokens)
     else:
+      prev = anchor_tokens if tokens is None else jax.lax.dynamic_index_in_dim(
+          tokens.reshape(B, S), s[0] - 1, axis=1, keepdims=False)
       bias_or_head = (jax.lax.dot_general(
-          emb, head.proj, (((1,), (1,)), ((), ())), precision=gemm_precision,
-          preferred_element_type=jnp.float32),)
+          head.embed[prev], head.proj, (((1,), (1,)), ((), ())),
+          precision=gemm_precision, preferred_element_type=jnp.float32),)
     cache, bmax, bsum, barg = block_pass(
-        base_flat, bias_or_head, s, scale, cache_rows, cache, num_steps=S,
+        base_flat, bias_or_head, s, params, cache_rows, cache, num_steps=S,
         num_cache_rows=num_cache_rows, block_b=config.block_b,
         block_v=config.block_v, block_k=config.block_k,
         k_loop=config.k_loop, serpentine=config.serpentine,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        bias_dot=config.bias_dot, num_warps=config.num_warps,
+        num_stages=config.num_stages, interpret=interpret)
+    tokens = select_pass(
+        bmax, bsum, barg, cache, s, params, cache_rows, tokens, num_steps=S,
+        block_v=config.block_v, num_warps=config.select_warps,
         interpret=interpret)
-    tokens, emb = select_pass(
-        bmax, bsum, barg, cache, s, scale, greedy, u, head.embed, cache_rows,
-        num_steps=S, block_v=config.block_v, num_warps=config.select_warps,
-        interpret=interpret)
-    return cache, emb, tokens
+    return cache, tokens
 
-  emb = head.embed[anchor_tokens]
+  # Step 0 creates the token array (and the cache when none is given), so the
+  # steps after it update both in place.
+  cache, tokens = step(cache, None, jnp.zeros((1,), jnp.int32))
   unroll = not interpret if config.unroll is None else config.unroll
   if unroll:
     # A Python loop: the step index of each launch is a constant, so each
     # step is 2 launches (3 with the reference GEMM) and no slicing kernels.
-    tokens = []
-    for s in range(S):
-      cache, emb, t = step(cache, emb, jnp.full((1,), s, jnp.int32))
-      tokens.append(t)
-    return jnp.stack(tokens, axis=1), cache
+    for s in range(1, S):
+      cache, tokens = step(cache, tokens, jnp.full((1,), s, jnp.int32))
+  elif S > 1:
+    def body(carry, s):
+      return step(*carry, s[None]), None
 
-  first = []
-  start = 0
-  if cache is None:  # step 0 creates the cache, so the carry has a buffer
-    cache, emb, tokens0 = step(None, emb, jnp.zeros((1,), jnp.int32))
-    first, start = [tokens0[:, None]], 1
-  if start == S:
-    return jnp.concatenate(first, axis=1), cache
-
-  def body(carry, s):
-    cache, emb = carry
-    cache, emb, tokens = step(cache, emb, s[None])
-    return (cache, emb), tokens
-
-  (cache, _), tokens = jax.lax.scan(body, (cache, emb),
-                                    jnp.arange(start, S, dtype=jnp.int32))
-  return jnp.concatenate(first + [tokens.T], axis=1), cache
+    (cache, tokens), _ = jax.lax.scan(body, (cache, tokens),
+                                      jnp.arange(1, S, dtype=jnp.int32))
+  return tokens.reshape(B, S), cache
 
 
-def _draw_params(temperature, valid):
-  """Per-draw scale (1/T, 1 where greedy) and greedy flag from T [B, S]."""
+def _draw_params(temperature, valid, u):
+  """The kernels' per-draw parameters, float32 [3, B * S], from [B, S] arrays.
+
+  Rows: 1 / T (1 where greedy), 1.0 where the draw is greedy (T == 0 or
+  padding), the uniform. One array, so XLA computes them in one fusion.
+  """
   t = temperature.astype(jnp.float32)
   greedy = (t == 0) | ~valid
   scale = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, t))
-  return scale, greedy.astype(jnp.int32)
+  return jnp.stack([scale, greedy.astype(jnp.float32), u]).reshape(3, -1)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
@@ -120,12 +114,11 @@ def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
   B, S, V = base.shape
   u = rng.uniforms_from_words(words, positions)
   valid = jnp.ones((B, S), bool)
-  scale, greedy = _draw_params(jnp.broadcast_to(temperature[:, None], (B, S)),
-                               valid)
+  params = _draw_params(jnp.broadcast_to(temperature[:, None], (B, S)), valid,
+                        u)
   tokens, cache = _run_steps(None, base, anchor_tokens.astype(jnp.int32), head,
-                             scale, greedy, u, None,
-                             num_cache_rows=B * S, config=config,
-                             interpret=interpret)
+                             params, None, num_cache_rows=B * S,
+                             config=config, interpret=interpret)
   return Draft(tokens, cache.reshape(B, S, V))
 
 
@@ -139,13 +132,13 @@ def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
   u = rng.uniforms_from_words(words[rows].reshape(B * S, 2),
                               positions.reshape(B * S, 1)).reshape(B, S)
   # Padding rows draw greedily: their token is any valid id by contract.
-  scale, greedy = _draw_params(temperature[rows], valid)
+  params = _draw_params(temperature[rows], valid, u)
   steps = jnp.arange(S, dtype=jnp.int32)[None, :]
-  cache_rows = jnp.where(valid, idx_map * S + steps, -1)
+  cache_rows = jnp.where(valid, idx_map * S + steps, -1).reshape(B * S)
   tokens, cache = _run_steps(cache.reshape(N * S, V), base,
-                             anchor_tokens.astype(jnp.int32), head, scale,
-                             greedy, u, cache_rows, num_cache_rows=N * S,
-                             config=config, interpret=interpret)
+                             anchor_tokens.astype(jnp.int32), head, params,
+                             cache_rows, num_cache_rows=N * S, config=config,
+                             interpret=interpret)
   return tokens, cache.reshape(N, S, V)
 
 

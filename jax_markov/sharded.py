@@ -238,22 +238,25 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
   gemm_precision = (jax.lax.Precision.HIGHEST if proj.dtype == jnp.float32
                     else jax.lax.Precision.DEFAULT)
 
-  scale_flat = scale.reshape(B * S)
+  # The block pass reads row 0 (1 / T) of the draw parameters.
+  params = scale.reshape(1, B * S)
 
-  def step(cache, emb, s):
+  def step(cache, prev, s):
+    """One step from the previous tokens prev int32 [B]."""
     rows = row_ids + s
     if config.method == "fused":
-      bias_or_head = (emb, proj)
+      bias_or_head = (embed, proj, prev, None)
     else:
       bias_or_head = (jax.lax.dot_general(
-          emb, proj, (((1,), (1,)), ((), ())), precision=gemm_precision,
-          preferred_element_type=jnp.float32),)
+          embed[prev], proj, (((1,), (1,)), ((), ())),
+          precision=gemm_precision, preferred_element_type=jnp.float32),)
     cache, bmax, bsum, barg = block_pass(
         base_flat, bias_or_head, jnp.reshape(s, (1,)).astype(jnp.int32),
-        scale_flat, None, cache, num_steps=S, num_cache_rows=B * S,
+        params, None, cache, num_steps=S, num_cache_rows=B * S,
         block_b=config.block_b, block_v=config.block_v,
         block_k=config.block_k, k_loop=config.k_loop,
-        serpentine=config.serpentine, num_warps=config.num_warps, num_stages=config.num_stages,
+        serpentine=config.serpentine, bias_dot=config.bias_dot,
+        num_warps=config.num_warps, num_stages=config.num_stages,
         interpret=interpret)
     owner, block, is_greedy, m_safe, prefix, target = decide(
         bmax, bsum, u[:, s], greedy[:, s], axis=axis, shard=shard,
@@ -263,18 +266,18 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
     # Exactly one device owns each draw: the sum is its token.
     tokens = jax.lax.psum(jnp.where(owner == shard, local + offset, 0), axis)
     tokens = jnp.clip(tokens, 0, vocab - 1)  # padding columns are never drawn
-    return cache, embed[tokens], tokens
+    return cache, tokens
 
-  cache, emb, tokens0 = step(None, embed[anchor_tokens], 0)
+  cache, tokens0 = step(None, anchor_tokens, 0)
   if S == 1:
     return tokens0[:, None], cache
 
   def body(carry, s):
-    cache, emb = carry
-    cache, emb, tokens = step(cache, emb, s)
-    return (cache, emb), tokens
+    cache, prev = carry
+    cache, tokens = step(cache, prev, s)
+    return (cache, tokens), tokens
 
-  (cache, _), tokens = jax.lax.scan(body, (cache, emb),
+  (cache, _), tokens = jax.lax.scan(body, (cache, tokens0),
                                     jnp.arange(1, S, dtype=jnp.int32))
   return jnp.concatenate([tokens0[:, None], tokens.T], axis=1), cache
 

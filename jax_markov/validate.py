@@ -53,43 +53,57 @@ def _is_int(dtype) -> bool:
   return bool(jnp.issubdtype(dtype, jnp.integer))
 
 
-def check_head(head, vocab: int):
-  embed, proj = head.embed, head.proj
-  _require(len(_shape(embed)) == 2, lambda: f"head.embed must be [V_in, R], got shape {_shape(embed)}")
-  _require(len(_shape(proj)) == 2, lambda: f"head.proj must be [V, R], got shape {_shape(proj)}")
-  _require(_is_float(_dtype(embed)) and _is_float(_dtype(proj)),
-           lambda: f"head weights must be floating point, got {_dtype(embed)} and {_dtype(proj)}",
+def _check_head(embed_shape, embed_dtype, proj_shape, proj_dtype, vocab: int):
+  _require(len(embed_shape) == 2, lambda: f"head.embed must be [V_in, R], got shape {embed_shape}")
+  _require(len(proj_shape) == 2, lambda: f"head.proj must be [V, R], got shape {proj_shape}")
+  _require(_is_float(embed_dtype) and _is_float(proj_dtype),
+           lambda: f"head weights must be floating point, got {embed_dtype} and {proj_dtype}",
            TypeError)
-  _require(_dtype(embed) == _dtype(proj),
-           lambda: f"head.embed and head.proj must share a dtype, got {_dtype(embed)} and {_dtype(proj)}",
+  _require(embed_dtype == proj_dtype,
+           lambda: f"head.embed and head.proj must share a dtype, got {embed_dtype} and {proj_dtype}",
            TypeError)
-  _require(_shape(embed)[1] == _shape(proj)[1],
-           lambda: f"rank R disagrees: head.embed is {_shape(embed)}, head.proj is {_shape(proj)}")
-  _require(_shape(proj)[1] >= 1, "rank R must be >= 1")
-  _require(_shape(proj)[0] == vocab,
-           lambda: f"V disagrees: base_logits has V={vocab}, head.proj has {_shape(proj)[0]} rows")
-  _require(_shape(embed)[0] >= vocab,
-           lambda: f"head.embed has {_shape(embed)[0]} rows but every drawn token (< V={vocab}) "
+  _require(embed_shape[1] == proj_shape[1],
+           lambda: f"rank R disagrees: head.embed is {embed_shape}, head.proj is {proj_shape}")
+  _require(proj_shape[1] >= 1, "rank R must be >= 1")
+  _require(proj_shape[0] == vocab,
+           lambda: f"V disagrees: base_logits has V={vocab}, head.proj has {proj_shape[0]} rows")
+  _require(embed_shape[0] >= vocab,
+           lambda: f"head.embed has {embed_shape[0]} rows but every drawn token (< V={vocab}) "
            "is looked up in it: V_in must be >= V")
+
+
+# Cached on the shapes and dtypes (errors are not cached: they raise again): a
+# serving loop calls with the same signature every time, and these checks
+# would otherwise cost tens of microseconds of Python per call.
+@functools.lru_cache(maxsize=256)
+def _check_common_shapes(base_shape, base_dtype, embed_shape, embed_dtype,
+                         proj_shape, proj_dtype, anchors_shape, anchors_dtype,
+                         positions_shape, positions_dtype):
+  shape = base_shape
+  _require(len(shape) == 3, lambda: f"base_logits must be [B, S, V], got shape {shape}")
+  B, S, V = shape
+  _require(B >= 1 and S >= 1 and V >= 1, lambda: f"base_logits has an empty dimension: {shape}")
+  _require(_is_float(base_dtype),
+           lambda: f"base_logits must be bf16, fp16 or fp32, got {base_dtype}", TypeError)
+  _check_head(embed_shape, embed_dtype, proj_shape, proj_dtype, V)
+  _require(anchors_shape == (B,),
+           lambda: f"anchor_tokens must be [B]=[{B}], got shape {anchors_shape}")
+  _require(_is_int(anchors_dtype),
+           lambda: f"anchor_tokens must be integers, got {anchors_dtype}", TypeError)
+  _require(positions_shape == (B, S),
+           lambda: f"positions must be [B, S]=[{B}, {S}], got shape {positions_shape}")
+  _require(_is_int(positions_dtype),
+           lambda: f"positions must be integers, got {positions_dtype}", TypeError)
+  return B, S, V
 
 
 def check_common(base_logits, anchor_tokens, head, positions, *, check_values: bool):
   """Checks what both layouts share. Returns (B, S, V)."""
-  shape = _shape(base_logits)
-  _require(len(shape) == 3, lambda: f"base_logits must be [B, S, V], got shape {shape}")
-  B, S, V = shape
-  _require(B >= 1 and S >= 1 and V >= 1, lambda: f"base_logits has an empty dimension: {shape}")
-  _require(_is_float(_dtype(base_logits)),
-           lambda: f"base_logits must be bf16, fp16 or fp32, got {_dtype(base_logits)}", TypeError)
-  check_head(head, V)
-  _require(_shape(anchor_tokens) == (B,),
-           lambda: f"anchor_tokens must be [B]=[{B}], got shape {_shape(anchor_tokens)}")
-  _require(_is_int(_dtype(anchor_tokens)),
-           lambda: f"anchor_tokens must be integers, got {_dtype(anchor_tokens)}", TypeError)
-  _require(_shape(positions) == (B, S),
-           lambda: f"positions must be [B, S]=[{B}, {S}], got shape {_shape(positions)}")
-  _require(_is_int(_dtype(positions)),
-           lambda: f"positions must be integers, got {_dtype(positions)}", TypeError)
+  B, S, V = _check_common_shapes(
+      _shape(base_logits), _dtype(base_logits), _shape(head.embed),
+      _dtype(head.embed), _shape(head.proj), _dtype(head.proj),
+      _shape(anchor_tokens), _dtype(anchor_tokens), _shape(positions),
+      _dtype(positions))
   anchors = _concrete(anchor_tokens, check_values)
   if anchors is not None:
     v_in = _shape(head.embed)[0]

@@ -27,15 +27,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
+def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
+                       has_cache_in: bool,
                        block_b: int, block_v: int, block_k: int, batch: int,
                        steps: int, vocab: int, rank: int, k_loop: str,
-                       serpentine: bool, precision):
+                       serpentine: bool, bias_dot: str, precision):
   if fused:
-    base_ref, emb_ref, proj_ref, *refs = refs
+    base_ref, embed_ref, proj_ref, anchors_ref, *refs = refs
+    tokens_ref = refs.pop(0) if has_tokens else None
   else:
     base_ref, bias_ref, *refs = refs
-  step_ref, scale_ref, *refs = refs
+  step_ref, params_ref, *refs = refs
   cache_rows_ref = None if dense else refs.pop(0)
   if has_cache_in:
     refs.pop(0)  # aliased with cache_ref: the same buffer
@@ -66,15 +68,34 @@ def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
   x = plgpu.load(base_ref.at[draw[:, None], cols], mask=tile_mask,
                  other=0).astype(jnp.float32)
   if fused:
-    b_rows = b_idx[:, None]
+    # The previous token of each request: its anchor at step 0, else what the
+    # select pass drew at step - 1. Its embedding row is gathered here, so no
+    # [B, R] embedding array passes between the kernels.
+    prev = plgpu.load(anchors_ref.at[b_idx], mask=b_mask, other=0)
+    if tokens_ref is not None:
+      drawn = plgpu.load(tokens_ref.at[draw - 1],
+                         mask=b_mask & (step_ref[0] > 0), other=0)
+      prev = jnp.where(step_ref[0] > 0, drawn, prev)
+    # An anchor outside the table is clamped, as XLA's gather clamps.
+    prev = jnp.clip(prev, 0, embed_ref.shape[0] - 1)
+    b_rows = prev[:, None]
     v_rows = (v0 + jnp.arange(block_v))[:, None]
 
     def rank_chunk(k0, acc):
       k_cols = (k0 + jnp.arange(block_k))[None, :]
-      emb = plgpu.load(emb_ref.at[b_rows, k_cols],
+      emb = plgpu.load(embed_ref.at[b_rows, k_cols],
                        mask=b_mask[:, None] & (k_cols < rank), other=0)
       proj = plgpu.load(proj_ref.at[v_rows, k_cols],
                         mask=v_mask[:, None] & (k_cols < rank), other=0)
+      if bias_dot == "fma":
+        # CUDA cores: products summed over k, with no shared-memory staging:
+        # at a few requests the proj tile goes from HBM straight to registers.
+        if block_b == 1:  # a 2D product: no 3D layout for Triton to convert
+          prod = proj.astype(jnp.float32) * emb.astype(jnp.float32)
+          return acc + jnp.sum(prod, axis=1)[None, :]
+        prod = (emb.astype(jnp.float32)[:, None, :]
+                * proj.astype(jnp.float32)[None, :, :])
+        return acc + jnp.sum(prod, axis=2)
       return acc + jax.lax.dot_general(emb, proj, (((1,), (1,)), ((), ())),
                                        precision=precision,
                                        preferred_element_type=jnp.float32)
@@ -111,7 +132,7 @@ def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
   plgpu.store(cache_ref.at[cache_rows[:, None], cols], x,
               mask=write[:, None] & v_mask[None, :])
 
-  scale = plgpu.load(scale_ref.at[draw], mask=b_mask, other=1.0)
+  scale = plgpu.load(params_ref.at[0, draw], mask=b_mask, other=1.0)
   y = jnp.where(x == x, x, -jnp.inf) * scale[:, None]  # NaN -> -inf
   y = jnp.where(v_mask[None, :], y, -jnp.inf)
   y_max = jnp.max(y, axis=1)
@@ -125,13 +146,14 @@ def _block_pass_kernel(*refs, fused: bool, dense: bool, has_cache_in: bool,
   plgpu.store(barg_ref.at[j, pl.ds(b0, block_b)], y_arg, mask=b_mask)
 
 
-def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
-               step: jax.Array, scale: jax.Array,
+def block_pass(base: jax.Array, bias_or_head: tuple,
+               step: jax.Array, params: jax.Array,
                cache_rows: jax.Array | None = None,
                cache: jax.Array | None = None, *, num_steps: int,
                num_cache_rows: int, block_b: int, block_v: int,
                block_k: int = 64, k_loop: str = "fori",
-               serpentine: bool = True, num_warps: int = 4,
+               serpentine: bool = True, bias_dot: str = "mma",
+               num_warps: int = 4,
                num_stages: int = 1, interpret: bool = False):
   """Runs the block pass of one step.
 
@@ -142,10 +164,15 @@ def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
   Args:
     base: [B * S, V] base logits (bf16, fp16 or fp32), request-major rows.
     bias_or_head: ``(bias,)`` with bias float32 [B, V] (reference design), or
-      ``(emb, proj)`` with emb [B, R] the embeddings of the previous tokens and
-      proj [V, R] (fused: the bias is computed in the kernel).
+      ``(embed, proj, anchors, tokens)`` (fused: the bias is computed in the
+      kernel from the previous token's row of embed [V_in, R] and proj
+      [V, R]). The previous token of request b is ``anchors[b]`` (int32 [B])
+      at step 0 or where tokens is None, else ``tokens[b * S + s - 1]``
+      (tokens: int32 [B * S], what the select pass drew so far).
     step: int32 [1], the step s.
-    scale: float32 [B * S], 1 / T per draw, or 1 where the draw is greedy.
+    params: float32 [P >= 1, B * S], the draw parameters; the block pass reads
+      row 0, 1 / T per draw or 1 where the draw is greedy (the select pass
+      also reads rows 1 and 2).
     cache_rows: int32 [B * S], the cache row each draw writes, -1 for none
       (padding); None for the dense layout, where draw (b, s) writes row
       b * S + s.
@@ -162,6 +189,9 @@ def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
     serpentine: on odd steps, map the programs to the vocabulary blocks in
       reverse order, so a step starts on the blocks (of proj) the step before
       touched last, which L2 still holds. The results do not depend on it.
+    bias_dot: fused only: "mma" (tensor cores; block_b, block_k >= 16) or
+      "fma" (products summed on the CUDA cores; any block_b, for a few
+      requests, where the tensor cores' 16-row tile would be mostly padding).
     num_warps, num_stages: Triton launch parameters.
     interpret: run the kernel in the Pallas interpreter (CPU).
 
@@ -171,22 +201,31 @@ def block_pass(base: jax.Array, bias_or_head: tuple[jax.Array, ...],
     x * scale, float32 [NB, B] sum of exp(x * scale - max), int32 [NB, B]
     vocabulary index of the first max; NB = cdiv(V, block_v).
   """
-  fused = len(bias_or_head) == 2
+  fused = len(bias_or_head) == 4
+  if not fused and len(bias_or_head) != 1:
+    raise ValueError("bias_or_head must be (bias,) or (embed, proj, anchors, "
+                     f"tokens), got {len(bias_or_head)} arrays")
+  if fused and bias_or_head[3] is None:
+    bias_or_head = bias_or_head[:3]
+  has_tokens = fused and len(bias_or_head) == 4
   batch, vocab = base.shape[0] // num_steps, base.shape[1]
   rank = bias_or_head[1].shape[1] if fused else 0
   num_blocks = pl.cdiv(vocab, block_v)
   if k_loop not in ("fori", "static"):
     raise ValueError(f"k_loop must be 'fori' or 'static', got {k_loop!r}")
+  if bias_dot not in ("mma", "fma"):
+    raise ValueError(f"bias_dot must be 'mma' or 'fma', got {bias_dot!r}")
   precision = None
   if fused and bias_or_head[1].dtype == jnp.float32:
     precision = jax.lax.Precision.HIGHEST  # no tf32: keep float32 products
   dense = cache_rows is None
   kernel = functools.partial(
-      _block_pass_kernel, fused=fused, dense=dense,
+      _block_pass_kernel, fused=fused, has_tokens=has_tokens, dense=dense,
       has_cache_in=cache is not None, block_b=block_b, block_v=block_v,
       block_k=block_k, batch=batch, steps=num_steps, vocab=vocab, rank=rank,
-      k_loop=k_loop, serpentine=serpentine, precision=precision)
-  inputs = (base, *bias_or_head, step, scale)
+      k_loop=k_loop, serpentine=serpentine, bias_dot=bias_dot,
+      precision=precision)
+  inputs = (base, *bias_or_head, step, params)
   if not dense:
     inputs = (*inputs, cache_rows)
   aliases = {}

@@ -9,7 +9,8 @@ normaliser Z, then draws:
   then, reading only that block of logits back from the cache, the first index
   whose running sum exceeds u * Z. One exp per logit of that block.
 
-and looks up the drawn token's embedding row for the next step.
+and writes the token to the draft's [B * S] token array, where the next
+step's block pass reads it back (and gathers its embedding row itself).
 
 Invariant: the token is always in [0, V) and its p_j > 0 whenever the row has a
 drawable token; float32 rounding that leaves u * Z past the last partial sum
@@ -26,12 +27,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _select_pass_kernel(*refs, dense: bool, num_blocks: int, blocks_pow2: int,
-                        block_v: int, steps: int, vocab: int, rank: int,
-                        rank_pow2: int):
-  bmax_ref, bsum_ref, barg_ref, cache_ref, step_ref, *refs = refs
+def _select_pass_kernel(*refs, dense: bool, has_tokens_in: bool,
+                        num_blocks: int, blocks_pow2: int, block_v: int,
+                        steps: int, vocab: int):
+  bmax_ref, bsum_ref, barg_ref, cache_ref, step_ref, params_ref, *refs = refs
   cache_rows_ref = None if dense else refs.pop(0)
-  scale_ref, greedy_ref, u_ref, embed_ref, tokens_ref, emb_next_ref = refs
+  if has_tokens_in:
+    refs.pop(0)  # aliased with tokens_ref: the same buffer
+  (tokens_ref,) = refs
   b = pl.program_id(0)
   d = b * steps + step_ref[0]  # this draw's flat index in the [B * S] arrays
   blk = jnp.arange(blocks_pow2)
@@ -42,7 +45,7 @@ def _select_pass_kernel(*refs, dense: bool, num_blocks: int, blocks_pow2: int,
                     other=0.0)
   m = jnp.max(bmax)
   finite = (m > -jnp.inf) & (m < jnp.inf)
-  greedy = (greedy_ref[d] != 0) | jnp.logical_not(finite)
+  greedy = (params_ref[1, d] != 0) | jnp.logical_not(finite)
 
   # Greedy: the first block whose max is the row max (blocks are in vocabulary
   # order, so its first-max index is the row's lowest index of the max).
@@ -54,7 +57,7 @@ def _select_pass_kernel(*refs, dense: bool, num_blocks: int, blocks_pow2: int,
   m_safe = jnp.where(finite, m, 0.0)
   mass = bsum * jnp.exp(bmax - m_safe)
   running = jax.lax.cumsum(mass, axis=0)
-  target = u_ref[d] * jnp.max(running)
+  target = params_ref[2, d] * jnp.max(running)
   k = jnp.sum((running <= target).astype(jnp.int32))
   last_block = jnp.max(jnp.where(mass > 0, blk, -1))
   k = jnp.clip(jnp.minimum(k, last_block), 0, num_blocks - 1)
@@ -68,7 +71,7 @@ def _select_pass_kernel(*refs, dense: bool, num_blocks: int, blocks_pow2: int,
   row = d if dense else jnp.maximum(cache_rows_ref[d], 0)
   x = plgpu.load(cache_ref.at[row, pl.ds(v0, block_v)], mask=v_mask,
                  other=-jnp.inf)
-  y = jnp.where(x == x, x, -jnp.inf) * scale_ref[d]
+  y = jnp.where(x == x, x, -jnp.inf) * params_ref[0, d]
   y = jnp.where(v_mask, y, -jnp.inf)
   p = jnp.exp(y - m_safe)
   running_v = jax.lax.cumsum(p, axis=0) + prefix
@@ -80,22 +83,15 @@ def _select_pass_kernel(*refs, dense: bool, num_blocks: int, blocks_pow2: int,
                       barg_ref[k, b])
 
   token = jnp.where(greedy, greedy_token, sampled)
-  token = jnp.clip(token, 0, vocab - 1)  # the embedding lookup stays in range
-  tokens_ref[b] = token
-
-  r = jnp.arange(rank_pow2)
-  r_mask = r < rank
-  emb = plgpu.load(embed_ref.at[token, pl.ds(0, rank_pow2)], mask=r_mask,
-                   other=0)
-  plgpu.store(emb_next_ref.at[b, pl.ds(0, rank_pow2)], emb, mask=r_mask)
+  # In range whatever the logits: the next step looks the token up in embed.
+  tokens_ref[d] = jnp.clip(token, 0, vocab - 1)
 
 
 def select_pass(block_max: jax.Array, block_sum: jax.Array,
                 block_argmax: jax.Array, cache: jax.Array, step: jax.Array,
-                scale: jax.Array, greedy: jax.Array, u: jax.Array,
-                embed: jax.Array, cache_rows: jax.Array | None = None, *,
-                num_steps: int, block_v: int, num_warps: int = 4,
-                interpret: bool = False):
+                params: jax.Array, cache_rows: jax.Array | None = None,
+                tokens: jax.Array | None = None, *, num_steps: int,
+                block_v: int, num_warps: int = 4, interpret: bool = False):
   """Runs the select pass of one step.
 
   Args:
@@ -103,37 +99,41 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array,
     cache: float32 [rows, V], the cache the block pass just wrote.
     step: int32 [1], the step s; draw (b, s) is flat index b * S + s of the
       per-draw arrays.
-    scale: float32 [B * S], 1 / T (1 where greedy).
-    greedy: int32 [B * S], nonzero where the draw is the argmax.
-    u: float32 [B * S], the uniforms.
-    embed: [V_in, R], the Markov head's embedding table.
+    params: float32 [3, B * S], per draw: 1 / T (1 where greedy), 1 where
+      the draw is the argmax (else 0), and the uniform u.
     cache_rows: int32 [B * S], the cache row of each draw (-1: padding, which
       must be greedy); None for the dense layout (row b * S + s).
+    tokens: int32 [B * S] to update in place (the tokens of the steps
+      before), or None to return a new array of which only this step's
+      entries are written.
     num_steps: S (static).
     block_v: the block pass's block size.
     num_warps: Triton launch parameter.
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
-    (tokens int32 [B], emb_next [B, R] in embed's dtype: embed[tokens]).
+    tokens int32 [B * S], with draw (b, s) at b * S + s written.
   """
   num_blocks, batch = block_max.shape
   vocab = cache.shape[1]
-  rank = embed.shape[1]
   dense = cache_rows is None
   kernel = functools.partial(
-      _select_pass_kernel, dense=dense, num_blocks=num_blocks,
-      blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
-      steps=num_steps, vocab=vocab, rank=rank,
-      rank_pow2=pl.next_power_of_2(rank))
-  rows = () if dense else (cache_rows,)
+      _select_pass_kernel, dense=dense, has_tokens_in=tokens is not None,
+      num_blocks=num_blocks, blocks_pow2=pl.next_power_of_2(num_blocks),
+      block_v=block_v, steps=num_steps, vocab=vocab)
+  inputs = (block_max, block_sum, block_argmax, cache, step, params)
+  if not dense:
+    inputs = (*inputs, cache_rows)
+  aliases = {}
+  if tokens is not None:
+    aliases = {len(inputs): 0}
+    inputs = (*inputs, tokens)
   return pl.pallas_call(
       kernel,
-      out_shape=(jax.ShapeDtypeStruct((batch,), jnp.int32),
-                 jax.ShapeDtypeStruct((batch, rank), embed.dtype)),
+      out_shape=jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32),
       grid=(batch,),
+      input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
       interpret=interpret,
       name="markov_select_pass",
-  )(block_max, block_sum, block_argmax, cache, step, *rows, scale, greedy, u,
-    embed)
+  )(*inputs)

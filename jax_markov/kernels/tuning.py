@@ -15,6 +15,7 @@ rule:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 METHODS = ("fused", "reference")
 
@@ -40,6 +41,9 @@ class KernelConfig:
     serpentine: the block pass walks the vocabulary backwards on odd steps,
       so each step starts on the proj blocks that L2 still holds from the
       step before (proj is read every step and is larger than L2).
+    bias_dot: fused only: "mma" computes the bias tile on the tensor cores
+      (block_b and block_k >= 16), "fma" on the CUDA cores (any block_b: for
+      a few requests).
   """
   method: str = "fused"
   block_b: int = 16
@@ -51,6 +55,7 @@ class KernelConfig:
   unroll: bool | None = None
   k_loop: str = "fori"
   serpentine: bool = True
+  bias_dot: str = "mma"
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -61,9 +66,13 @@ class KernelConfig:
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")
-    if self.method == "fused" and (self.block_b < 16 or self.block_k < 16):
-      raise ValueError("fused: block_b and block_k must be >= 16 (tensor-core "
-                       f"tile), got block_b={self.block_b}, block_k={self.block_k}")
+    if self.bias_dot not in ("mma", "fma"):
+      raise ValueError(f"bias_dot must be 'mma' or 'fma', got {self.bias_dot!r}")
+    if (self.method == "fused" and self.bias_dot == "mma"
+        and (self.block_b < 16 or self.block_k < 16)):
+      raise ValueError("fused with bias_dot='mma': block_b and block_k must be "
+                       ">= 16 (tensor-core tile), got "
+                       f"block_b={self.block_b}, block_k={self.block_k}")
 
 
 def _next_pow2(n: int) -> int:
@@ -95,6 +104,7 @@ def default_method(batch: int, vocab: int, rank: int) -> str:
   return "fused"
 
 
+@functools.lru_cache(maxsize=256)  # runs on every call of the sampler
 def choose(method: str | None, batch: int, vocab: int, rank: int, *,
            interpret: bool) -> KernelConfig:
   """The configuration for a shape: the table's entry, else the rule above."""
