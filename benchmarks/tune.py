@@ -40,16 +40,13 @@ def candidates(batch: int, grid: str, shape: common.Shape):
   hand-picked tiles near the table's entries.
   """
   if grid == "fma":
-    # The bias on the CUDA cores: request tiles below the tensor cores' 16,
-    # block_b * block_v * block_k <= 2048 * warps (64 float32 products a
-    # thread).
-    bb = min(_pow2_at_least(batch), 8)
-    for bv, bk, w, (loop, st) in itertools.product(
-        (64, 128, 256), (32, 64, 128), (4, 8),
-        (("fori", 3), ("static", 1))):
-      if bb * bv * bk <= 2048 * w:
-        yield jm.KernelConfig("fused", bb, bv, bk, w, st, k_loop=loop,
-                              bias_dot="fma")
+    # The bias on the CUDA cores, one request a program (the 2D product
+    # Triton lays out well), beside the table's current choice.
+    yield tuning.choose(None, batch, shape.V, shape.R, interpret=False)
+    for bv, bk, w, st in ((128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 4),
+                          (128, 128, 4, 3), (64, 64, 4, 3), (64, 64, 2, 3),
+                          (256, 32, 4, 3), (128, 64, 2, 3)):
+      yield jm.KernelConfig("fused", 1, bv, bk, w, st, bias_dot="fma")
     return
   if grid == "refine":
     if batch <= 16:
@@ -75,10 +72,6 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     yield jm.KernelConfig("fused", bb, v, 64, w, st, k_loop=loop)
   for v, w in itertools.product((1024, 4096), (4, 8)):
     yield jm.KernelConfig("reference", 1, v, 64, w, 1)
-
-
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, (n - 1).bit_length())
 
 
 def launch_counts(fn, *args, **kwargs) -> dict:

@@ -282,4 +282,20 @@ def test_loop_forms_agree(unroll, k_loop, serpentine):
                                             serpentine=serpentine))
 
 
+@pytest.mark.parametrize("block_b,block_v,block_k,k_loop",
+                         [(1, 64, 32, "fori"), (1, 128, 64, "static"),
+                          (4, 32, 16, "fori")])
+def test_fma_bias_agrees(block_b, block_v, block_k, k_loop):
+  """The bias on the CUDA cores (bias_dot='fma', request tiles below 16):
+  the same draft as the reference, both layouts."""
+  args = make_problem(5, 3, 300, 80, seed=23)
+  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
+  config = jm.KernelConfig("fused", block_b, block_v, block_k, k_loop=k_loop,
+                           bias_dot="fma")
+  draft = jm.sample_draft(*args, config=config)
+  np.testing.assert_array_equal(draft.tokens, ref_tokens)
+  np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+  _check_changing_rows(20, config)
+
+
 METHODS_AND_TILES = [("fused", 16), ("reference", 1)]

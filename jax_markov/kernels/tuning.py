@@ -4,10 +4,12 @@
 ``benchmarks/tune.py``; see docs/perf-notes.md) and otherwise falls back to a
 rule:
 
-* fused (the default at every batch): request tiles of 16..64 (the tensor
-  cores' smallest M is 16), 256 vocabulary columns per program (128 with
-  64-request tiles, so the float32 accumulator stays in registers), rank
-  chunks of 64 in a loop Triton pipelines 3 stages deep;
+* fused (the default at every batch): at B = 1 one request a program with
+  the bias on the CUDA cores (bias_dot="fma"), 128 vocabulary columns; above,
+  request tiles of 16..64 on the tensor cores (their smallest M is 16), 256
+  vocabulary columns per program (128 with 64-request tiles, so the float32
+  accumulator stays in registers); rank chunks of 64 in a loop Triton
+  pipelines 3 stages deep;
 * reference design (selectable): one request per program, vocabulary blocks
   of 1024 at B <= 4 and 4096 above.
 """
@@ -86,7 +88,8 @@ def _batch_bucket(batch: int) -> int:
 # (method, vocab, rank, batch bucket) -> KernelConfig, the fastest of
 # benchmarks/tune.py's sweep on an H200 (benchmarks/results/tune-*.json).
 TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
-    ("fused", 129280, 256, 1): KernelConfig("fused", 16, 128, 64, 8, 3),
+    ("fused", 129280, 256, 1): KernelConfig("fused", 1, 128, 64, 4, 3,
+                                            bias_dot="fma"),
     ("fused", 129280, 256, 64): KernelConfig("fused", 64, 128, 64, 4, 3),
     ("fused", 129280, 256, 256): KernelConfig("fused", 64, 128, 64, 4, 3),
     ("reference", 129280, 256, 1): KernelConfig("reference", 1, 4096, 64, 8, 1),
@@ -125,6 +128,9 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
     block_v = 1024 if batch <= 4 else 4096
     return KernelConfig(method, 1, min(block_v, _next_pow2(vocab)), 64,
                         8 if batch <= 4 else 4)
+  if batch == 1:  # one request: the bias on the CUDA cores (docs/perf-notes.md)
+    return KernelConfig(method, 1, min(128, max(16, _next_pow2(vocab))),
+                        min(64, _next_pow2(rank)), 4, 3, bias_dot="fma")
   block_b = min(64, max(16, _next_pow2(batch)))
   block_v = 128 if block_b == 64 else 256  # the accumulator fits in registers
   return KernelConfig(method, block_b, min(block_v, max(16, _next_pow2(vocab))),
