@@ -248,6 +248,29 @@ def round_robin(calls, finish: Callable | None = None) -> Callable[[int], None]:
   return run
 
 
+def warm_up(run: Callable[[int], None], calls: int, seconds: float,
+            sync: Callable[[], None] | None = None) -> int:
+  """Untimed calls: at least ``calls`` of them and ``seconds`` of wall time.
+
+  A count alone is not enough: an idle GPU runs its SM clock low and takes
+  tens of milliseconds of work to raise it, longer than a few sub-millisecond
+  drafts, so the first point timed in a process would run slower than the
+  rest (seen on the H200: B = 1, timed first, 0.31 ms against 0.20 ms in a
+  warm process). ``sync`` (if given) drains the queue now and then, for
+  runners that do not synchronise. Returns the number of calls made.
+  """
+  t0 = time.perf_counter()
+  n = 0
+  while n < calls or time.perf_counter() - t0 < seconds:
+    run(1)
+    n += 1
+    if sync is not None and n % 8 == 0:
+      sync()
+  if sync is not None:
+    sync()
+  return n
+
+
 def wall_clock_median(run: Callable[[int], None], repeats: int,
                       group: int) -> tuple[float, int]:
   """median_of_groups with each group timed by the host clock around ``run``."""

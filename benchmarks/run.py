@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="back-to-back calls per timed group (default 5)")
   p.add_argument("--warmup", type=int, default=3,
                  help="untimed calls before timing (default 3)")
+  p.add_argument("--warmup-s", type=float, default=0.2,
+                 help="and at least this many seconds of untimed calls, so "
+                 "the GPU's clocks are up (default 0.2)")
   p.add_argument("--out", default=None,
                  help="results JSON (default: benchmarks/results/<device>.json;"
                  " <device>-quick.json with --quick)")
@@ -136,6 +139,7 @@ def _parent_main(args) -> int:
                                      common.DEFAULT_TEMPERATURES, float),
       repeats=args.repeats or (10 if quick else 100),
       warmup=min(args.warmup, 2) if quick else args.warmup,
+      warmup_s=0.0 if quick else args.warmup_s,
       group=args.group, start_time=start,
       deadline=start + args.budget_s if args.budget_s else None)
   impls = common.parse_list(args.impls, IMPLS)
@@ -399,7 +403,7 @@ def _run_family(cfg, runner, result, progress):
               sampled = _check_tokens(result, f"{key}|T={temp:g}", impl,
                                       prep.tokens(), progress, hard=False)
             ms, groups = runner.time(prep, cfg["repeats"], cfg["group"],
-                                     cfg["warmup"])
+                                     cfg["warmup"], cfg.get("warmup_s", 0.0))
           except Exception:  # noqa: BLE001 -- one impl failing is reported
             _failed(result, progress, impl, key, temp)
             prep = None
@@ -570,10 +574,11 @@ class _TorchFamily:
       return samplers[0].tokens.cpu().tolist()
     return _Prepared(calls, tokens, meta)
 
-  def time(self, prep, repeats, group, warmup):
+  def time(self, prep, repeats, group, warmup, warmup_s):
     torch = self.torch
     run = common.round_robin(prep.calls)
-    run(warmup)
+    common.warm_up(run, warmup, warmup_s,
+                   sync=torch.cuda.synchronize if self.is_gpu else None)
     if not self.is_gpu:
       return common.wall_clock_median(run, repeats, group)
     torch.cuda.synchronize()
@@ -693,9 +698,9 @@ class _JaxFamily:
       return np.asarray(tok(calls[0]())).tolist()
     return _Prepared(calls, tokens, meta)
 
-  def time(self, prep, repeats, group, warmup):
+  def time(self, prep, repeats, group, warmup, warmup_s):
     run = common.round_robin(prep.calls, finish=self.jax.block_until_ready)
-    run(max(1, warmup))
+    common.warm_up(run, max(1, warmup), warmup_s)
     return common.wall_clock_median(run, repeats, group)
 
   def release(self, inputs=False):
@@ -891,11 +896,11 @@ class _BridgeFamily(_TorchFamily):
                     "(cache not donated)")
     return _Prepared(calls, tokens, meta)
 
-  def time(self, prep, repeats, group, warmup):
+  def time(self, prep, repeats, group, warmup, warmup_s):
     # The whole device: JAX's streams too.
     sync = (lambda _: self.torch.cuda.synchronize()) if self.is_gpu else None
     run = common.round_robin(prep.calls, finish=sync)
-    run(max(1, warmup))
+    common.warm_up(run, max(1, warmup), warmup_s)
     return common.wall_clock_median(run, repeats, group)
 
 

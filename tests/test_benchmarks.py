@@ -313,7 +313,7 @@ class _FakeRunner:
       raise RuntimeError("boom")
     return run._Prepared([lambda: None], lambda: [[1] * shape.S] * batch)
 
-  def time(self, prep, repeats, group, warmup):
+  def time(self, prep, repeats, group, warmup, warmup_s):
     return 0.5, 2
 
   def release(self, inputs=False):
@@ -324,7 +324,7 @@ def test_a_failing_impl_is_reported_and_the_others_run(tmp_path):
   result = run._Result(str(tmp_path / "r.json"), {})
   cfg = dict(measure_bandwidth=False, temperatures=[0.0, 1.0],
              shapes=["tiny"], batches=[1, 2], impls=["good", "bad", "skip"],
-             repeats=4, group=2, warmup=1)
+             repeats=4, group=2, warmup=1, warmup_s=0.0)
   run._run_family(cfg, _FakeRunner(), result, lambda msg: None)
   rows = result.data["rows"]
   assert {(r["impl"], r["batch"], r["temperature"]) for r in rows} == {
@@ -352,3 +352,16 @@ def test_tune_and_profile_scripts_smoke(tmp_path):
   assert {c.method for c in cfgs} == {"fused", "reference"}
   assert {c.k_loop for c in cfgs} == {"fori", "static"}
   assert profile_draft.main(["--shape", "tiny", "--batch", "2", "--drafts", "1"]) == 0
+
+
+def test_warm_up_runs_for_a_count_and_a_time():
+  """Untimed calls go on until both the count and the wall time are reached."""
+  import time
+  calls = []
+  run = lambda n: (calls.append(n), time.sleep(0.005))  # noqa: E731
+  syncs = []
+  assert common.warm_up(run, 3, 0.0) == 3
+  calls.clear()
+  n = common.warm_up(run, 1, 0.06, sync=lambda: syncs.append(1))
+  assert n == len(calls) and n >= 10  # 60 ms of 5 ms calls
+  assert len(syncs) == n // 8 + 1  # every 8 calls, and once at the end
