@@ -44,7 +44,8 @@ DESCRIPTIONS = {
 
 METHOD = """\
 Method: each family runs in its own process (JAX; torch + Triton; the bridge).
-Warm-up calls, then groups of back-to-back calls, each group timed with CUDA
+Warm-up calls (at least 3 and 0.2 s of them, so an idle GPU's clocks are up),
+then groups of back-to-back calls, each group timed with CUDA
 events (torch) or with `perf_counter` up to `block_until_ready` of the group's
 last result (JAX; the bridge up to `torch.cuda.synchronize()`); the time is
 the median over groups of the per-call time. Inputs smaller than twice the L2
