@@ -67,6 +67,24 @@ def test_bad_method_and_config(args):
     jm.KernelConfig("fused", 16, 100)
   with pytest.raises(ValueError, match=">= 16"):
     jm.KernelConfig("fused", 4, 128)
+  with pytest.raises(ValueError, match="bias_dot must be"):
+    jm.KernelConfig("fused", 16, 128, bias_dot="wmma")
+  with pytest.raises(ValueError, match="k_loop must be"):
+    jm.KernelConfig("fused", 16, 128, k_loop="while")
+  # On the CUDA cores any power-of-two request tile and rank chunk will do.
+  assert jm.KernelConfig("fused", 4, 128, 8, bias_dot="fma").block_b == 4
+
+
+def test_cached_shape_checks_still_raise(args):
+  """The shape checks are cached per signature; a bad call raises every time,
+  and a good signature seen before does not excuse a bad one."""
+  base, anchor, head, t, seeds, pos = args
+  bad_pos = jnp.zeros((base.shape[0], base.shape[1] + 1), jnp.int32)
+  for _ in range(2):
+    with pytest.raises(ValueError, match=r"positions must be \[B, S\]"):
+      _call(args, positions=bad_pos)
+  with pytest.raises(TypeError, match="positions must be integers"):
+    _call(args, positions=jnp.zeros(pos.shape, jnp.float32))
 
 
 def test_into_bad_arguments(args):
