@@ -335,6 +335,48 @@ def torch_inputs(shape: Shape, batch: int, set_index: int, device):
 _JAX_GEN_CACHE = {}
 
 
+@dataclasses.dataclass
+class JaxDraft:
+  """Everything to time ``jm.sample_draft`` at one shape, batch and temperature.
+
+  Attributes:
+    sets, heads: the input sets (dicts from :func:`jax_inputs`) and their
+      MarkovHeads, rotated between calls.
+    words, positions, temperature: the seed words uint32 [B, 2], positions
+      int32 [B, S] and temperature float32 [B] every call uses.
+  """
+  sets: list
+  heads: list
+  words: object
+  positions: object
+  temperature: object
+
+  def args(self, k: int = 0) -> tuple:
+    """sample_draft's positional arguments with input set k."""
+    d = self.sets[k]
+    return (d["base"], d["anchors"], self.heads[k], self.temperature,
+            self.words, self.positions)
+
+  def calls(self, config) -> list:
+    """One call per input set, with ``config`` and no value checks."""
+    import jax_markov as jm
+    return [(lambda k=k: jm.sample_draft(*self.args(k), config=config,
+                                         check_values=False))
+            for k in range(len(self.sets))]
+
+
+def jax_draft(shape: Shape, batch: int, temperature: float) -> JaxDraft:
+  """The synthetic inputs of a jax_markov draft, as the tuning scripts time it."""
+  import jax.numpy as jnp
+  import jax_markov as jm
+  sets = [jax_inputs(shape, batch, k)
+          for k in range(num_input_sets(shape, batch))]
+  seeds, positions = seeds_and_positions(batch, shape.S)
+  return JaxDraft(sets, [jm.MarkovHead(d["embed"], d["proj"]) for d in sets],
+                  jm.rng.seed_words(seeds), jnp.asarray(positions),
+                  jnp.full((batch,), temperature, jnp.float32))
+
+
 def jax_inputs(shape: Shape, batch: int, set_index: int):
   """The same synthetic inputs as :func:`torch_inputs`, as JAX arrays.
 

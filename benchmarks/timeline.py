@@ -28,7 +28,6 @@ import tempfile
 import time
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -112,19 +111,11 @@ def main(argv=None):
   overrides = parse_overrides(a.set)
   rows = []
   for B in a.batches:
-    sets = [common.jax_inputs(shape, B, k)
-            for k in range(common.num_input_sets(shape, B))]
-    heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in sets]
-    seeds, positions = common.seeds_and_positions(B, shape.S)
-    words = jm.rng.seed_words(seeds)
-    positions = jnp.asarray(positions)
-    temperature = jnp.full((B,), a.temperature, jnp.float32)
+    draft = common.jax_draft(shape, B, a.temperature)
     cfg = tuning.choose(None, B, shape.V, shape.R,
                         interpret=jax.default_backend() != "gpu")
     cfg = dataclasses.replace(cfg, **overrides)
-    calls = [(lambda d=d, h=h: jm.sample_draft(
-        d["base"], d["anchors"], h, temperature, words, positions,
-        config=cfg, check_values=False)) for d, h in zip(sets, heads)]
+    calls = draft.calls(cfg)
     run = common.round_robin(calls, finish=jax.block_until_ready)
     run(3 * a.group)
     wall_ms, _ = common.wall_clock_median(run, 10 * a.group, a.group)
@@ -132,13 +123,11 @@ def main(argv=None):
     # this is host work only), for the public function, the jitted function
     # it calls, and a jitted function that returns its first argument (what
     # any jitted call with these arguments costs).
-    d0, interpret = sets[0], jax.default_backend() != "gpu"
+    interpret = jax.default_backend() != "gpu"
     jitted = lambda: jm.sampler._sample_draft(  # noqa: E731
-        d0["base"], d0["anchors"], heads[0], temperature, words, positions,
-        config=cfg, interpret=interpret)
+        *draft.args(), config=cfg, interpret=interpret)
     noop = jax.jit(lambda *args: args[1])
-    noop_call = lambda: noop(d0["base"], d0["anchors"], heads[0],  # noqa: E731
-                             temperature, words, positions)
+    noop_call = lambda: noop(*draft.args())  # noqa: E731
     issue = {}
     for key, fn in (("api", calls[0]), ("jit", jitted), ("noop", noop_call)):
       jax.block_until_ready(fn())
@@ -171,7 +160,7 @@ def main(argv=None):
             f"{k['total_us']:8.1f} us  {name[:90]}", flush=True)
     if a.out:
       common.write_json(a.out, rows)
-    del sets, heads
+    del draft
   return 0
 
 

@@ -24,7 +24,6 @@ import re
 import sys
 
 import jax
-import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -102,21 +101,12 @@ def main(argv=None):
   shape = common.SHAPES[a.shape]
   rows = []
   for B in a.batches:
-    sets = [common.jax_inputs(shape, B, k)
-            for k in range(common.num_input_sets(shape, B))]
-    heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in sets]
-    seeds, positions = common.seeds_and_positions(B, shape.S)
-    words = jm.rng.seed_words(seeds)
-    positions = jnp.asarray(positions)
-    temperature = jnp.full((B,), a.temperature, jnp.float32)
+    draft = common.jax_draft(shape, B, a.temperature)
     cfgs = ([tuning.choose(None, B, shape.V, shape.R, interpret=False)]
             if a.only_default else list(candidates(B, a.grid, shape)))
     best = None
     for cfg in cfgs:
-      calls = [(lambda d=d, h=h, cfg=cfg: jm.sample_draft(
-          d["base"], d["anchors"], h, temperature, words, positions,
-          config=cfg, check_values=False)) for d, h in zip(sets, heads)]
-      run = common.round_robin(calls, finish=jax.block_until_ready)
+      run = common.round_robin(draft.calls(cfg), finish=jax.block_until_ready)
       try:
         run(3)
         ms, _ = common.wall_clock_median(run, a.repeats, a.group)
@@ -128,10 +118,8 @@ def main(argv=None):
                  xla_flags=os.environ.get("XLA_FLAGS", ""),
                  **dataclasses.asdict(cfg))
       if a.inspect:
-        d = sets[0]
         row["launches"] = launch_counts(
-            jm.sampler._sample_draft, d["base"], d["anchors"], heads[0],
-            temperature, words, positions, config=cfg,
+            jm.sampler._sample_draft, *draft.args(), config=cfg,
             interpret=jax.default_backend() != "gpu")
       rows.append(row)
       print(f"B={B:4d} {cfg.method:9s} bb={cfg.block_b:3d} bv={cfg.block_v:5d} "
@@ -144,7 +132,7 @@ def main(argv=None):
       print(f"BEST B={B}: {best[0]:.4f} ms {best[1]}", flush=True)
     if a.out:  # after each batch: a run cut short keeps what it measured
       common.write_json(a.out, rows)
-    del sets, heads
+    del draft
   return 0
 
 

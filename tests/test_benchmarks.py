@@ -27,6 +27,7 @@ from benchmarks import run  # noqa: E402
 from benchmarks.baselines import plain_jax  # noqa: E402
 from jax_markov import reference, rng  # noqa: E402
 from jax_markov.head import MarkovHead  # noqa: E402
+from jax_markov.kernels import tuning  # noqa: E402
 
 TINY = common.Shape("t", "t", V=300, R=16, S=3)
 
@@ -352,6 +353,29 @@ def test_tune_and_profile_scripts_smoke(tmp_path):
   assert {c.method for c in cfgs} == {"fused", "reference"}
   assert {c.k_loop for c in cfgs} == {"fori", "static"}
   assert profile_draft.main(["--shape", "tiny", "--batch", "2", "--drafts", "1"]) == 0
+  fma = list(tune.candidates(1, "fma", common.SHAPES["dsv4"]))
+  assert fma[0] == tuning.choose(None, 1, 129280, 256, interpret=False)
+  assert {c.bias_dot for c in fma[1:]} == {"fma"} and {c.block_b for c in fma[1:]} == {1}
+
+
+def test_timeline_script_smoke(tmp_path):
+  """benchmarks/timeline.py runs end to end on the tiny shape (on CPU the
+  trace has no GPU kernels; the host issue times and the overrides still count)."""
+  from benchmarks import timeline
+  out = tmp_path / "tl.json"
+  assert timeline.main(["--shape", "tiny", "--batches", "2", "--group", "1",
+                        "--set", "serpentine=False", "--set", "block_v=64",
+                        "--out", str(out)]) == 0
+  (row,) = json.loads(out.read_text())
+  assert row["config"]["serpentine"] is False and row["config"]["block_v"] == 64
+  assert row["issue_us"] > 0 and row["issue_jit_us"] > 0 and row["issue_noop_us"] > 0
+  # The summary of a GPU trace, on made-up kernel events (ns): two drafts.
+  events = [("a", 0, 10_000), ("b", 12_000, 4_000), ("a", 20_000, 10_000),
+            ("b", 30_000, 4_000)]
+  summary = timeline.summarize(events, drafts=2)
+  assert summary["span_us"] == 17.0 and summary["busy_us"] == 14.0
+  assert summary["gap_us"] == 3.0 and summary["kernels"] == 2.0
+  assert summary["by_kernel"]["a"] == dict(count=1.0, mean_us=10.0, total_us=10.0)
 
 
 def test_warm_up_runs_for_a_count_and_a_time():
