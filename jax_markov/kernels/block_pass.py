@@ -6,9 +6,10 @@ columns and
 1. forms the pre-temperature logits ``x = base + bias`` in float32, where the
    bias comes either from a [B, V] float32 array computed beforehand (the
    reference design: an XLA GEMM writes it to HBM, the block pass reads it back)
-   or, fused, from a dot of the tile's embeddings [block_b, R] with the
-   projection block [block_v, R] on the tensor cores (proj is read once per
-   step for the whole tile and the bias never reaches HBM);
+   or, fused, from the tile's embeddings [block_b, R] (rows of embed gathered
+   by the previous tokens) times the projection block [block_v, R], on the
+   tensor cores or, for one request a program, the CUDA cores (proj is read
+   once per step for the whole tile and the bias never reaches HBM);
 2. stores x to the cache row of each request (rows < 0 are padding: no store);
 3. keeps, per request, the block's max of ``y = x * scale``, the sum of
    ``exp(y - max)`` and the first index of that max, which is all the select
@@ -28,8 +29,8 @@ from jax.experimental.pallas import triton as plgpu
 
 
 def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
-                       has_cache_in: bool,
-                       block_b: int, block_v: int, block_k: int, batch: int,
+                       has_cache_in: bool, block_b: int, block_v: int,
+                       block_k: int, batch: int,
                        steps: int, vocab: int, rank: int, k_loop: str,
                        serpentine: bool, bias_dot: str, precision):
   if fused:
@@ -153,8 +154,8 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
                num_cache_rows: int, block_b: int, block_v: int,
                block_k: int = 64, k_loop: str = "fori",
                serpentine: bool = True, bias_dot: str = "mma",
-               num_warps: int = 4,
-               num_stages: int = 1, interpret: bool = False):
+               num_warps: int = 4, num_stages: int = 1,
+               interpret: bool = False):
   """Runs the block pass of one step.
 
   Draw (b, s) is flat index ``b * S + s`` of ``base``'s rows and of the
