@@ -33,7 +33,8 @@ from jax_markov.kernels import tuning  # noqa: E402
 
 
 def candidates(batch: int, grid: str, shape: common.Shape):
-  """Configurations to try at a batch size ("full", "quick", "refine", "fma").
+  """Configurations to try at a batch size ("full", "quick", "refine", "fma",
+  "tail").
 
   "refine" varies what "full" holds fixed (rank chunk, pipeline depth) over
   hand-picked tiles near the table's entries.
@@ -46,6 +47,15 @@ def candidates(batch: int, grid: str, shape: common.Shape):
                           (128, 128, 4, 3), (64, 64, 4, 3), (64, 64, 2, 3),
                           (256, 32, 4, 3), (128, 64, 2, 3)):
       yield jm.KernelConfig("fused", 1, bv, bk, w, st, bias_dot="fma")
+    return
+  if grid == "tail":
+    # One launch a step (the block pass's last program draws) against the
+    # select pass, on the CUDA-core tiles the tail select needs.
+    for bv, bk, w, st in ((128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3),
+                          (256, 64, 4, 3), (128, 32, 4, 4)):
+      for select in ("pass", "tail"):
+        yield jm.KernelConfig("fused", 1, bv, bk, w, st, bias_dot="fma",
+                              select=select)
     return
   if grid == "refine":
     if batch <= 16:
@@ -92,7 +102,7 @@ def main(argv=None):
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--repeats", type=int, default=60)
   p.add_argument("--group", type=int, default=5)
-  p.add_argument("--grid", choices=("full", "quick", "refine", "fma"), default="full")
+  p.add_argument("--grid", choices=("full", "quick", "refine", "fma", "tail"), default="full")
   p.add_argument("--only-default", action="store_true",
                  help="time the table's choice only (e.g. to compare XLA_FLAGS)")
   p.add_argument("--inspect", action="store_true")
@@ -124,7 +134,7 @@ def main(argv=None):
       rows.append(row)
       print(f"B={B:4d} {cfg.method:9s} bb={cfg.block_b:3d} bv={cfg.block_v:5d} "
             f"bk={cfg.block_k:3d} w={cfg.num_warps} st={cfg.num_stages} "
-            f"sw={cfg.select_warps} {cfg.k_loop:6s} {cfg.bias_dot}: "
+            f"sw={cfg.select_warps} {cfg.k_loop:6s} {cfg.bias_dot} {cfg.select}: "
             f"{ms:.4f} ms {row.get('launches', '')}", flush=True)
       if best is None or ms < best[0]:
         best = (ms, cfg)

@@ -1,7 +1,8 @@
 """The S-step Markov sampler: one jitted call for all S steps.
 
 A step is two Pallas launches (block pass, select pass), plus the bias GEMM in
-XLA for the reference design. Compiled, the steps are a Python loop (each
+XLA for the reference design; one launch with ``select="tail"``, where the
+block pass's last program draws. Compiled, the steps are a Python loop (each
 launch gets its step index as a constant); in the interpreter they are a
 lax.scan, which compiles faster. The cache and the tokens drawn so far pass
 from step to step on the device (the block pass gathers the previous token's
@@ -27,8 +28,13 @@ def _as_array(x) -> jax.Array:
   return x if isinstance(x, jax.Array) else jnp.asarray(x)
 
 
+@functools.cache
+def _default_backend() -> str:
+  return jax.default_backend()  # ~3 us a call: looked up once
+
+
 def _interpret_default(interpret: bool | None) -> bool:
-  return jax.default_backend() != "gpu" if interpret is None else interpret
+  return _default_backend() != "gpu" if interpret is None else interpret
 
 
 def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
@@ -54,7 +60,9 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
   gemm_precision = (jax.lax.Precision.HIGHEST if proj_dtype == jnp.float32
                     else jax.lax.Precision.DEFAULT)
 
-  def step(cache, tokens, s):
+  tail = config.select == "tail"
+
+  def step(cache, tokens, counters, s):
     """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
     if config.method == "fused":
       # The block pass gathers the previous tokens' embedding rows itself.
@@ -65,34 +73,45 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
       bias_or_head = (jax.lax.dot_general(
           head.embed[prev], head.proj, (((1,), (1,)), ((), ())),
           precision=gemm_precision, preferred_element_type=jnp.float32),)
-    cache, bmax, bsum, barg = block_pass(
+    out = block_pass(
         base_flat, bias_or_head, s, params, cache_rows, cache, num_steps=S,
         num_cache_rows=num_cache_rows, block_b=config.block_b,
         block_v=config.block_v, block_k=config.block_k,
         k_loop=config.k_loop, serpentine=config.serpentine,
-        bias_dot=config.bias_dot, num_warps=config.num_warps,
-        num_stages=config.num_stages, interpret=interpret)
+        bias_dot=config.bias_dot, select=config.select, counters=counters,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        interpret=interpret)
+    if tail:  # the block pass drew the tokens itself
+      cache, _, _, _, tokens, counters = out
+      return cache, tokens, counters
+    cache, bmax, bsum, barg = out
     tokens = select_pass(
         bmax, bsum, barg, cache, s, params, cache_rows, tokens, num_steps=S,
         block_v=config.block_v, num_warps=config.select_warps,
         interpret=interpret)
-    return cache, tokens
+    return cache, tokens, counters
 
   # Step 0 creates the token array (and the cache when none is given), so the
-  # steps after it update both in place.
-  cache, tokens = step(cache, None, jnp.zeros((1,), jnp.int32))
+  # steps after it update both in place. The tail select's counters start at
+  # zero and every step leaves them there.
+  counters = None
+  if tail:
+    counters = jnp.zeros((-(-B // config.block_b),), jnp.int32)
+  cache, tokens, counters = step(cache, None, counters,
+                                 jnp.zeros((1,), jnp.int32))
   unroll = not interpret if config.unroll is None else config.unroll
   if unroll:
     # A Python loop: the step index of each launch is a constant, so each
-    # step is 2 launches (3 with the reference GEMM) and no slicing kernels.
+    # step is 1-2 launches (+1 with the reference GEMM), no slicing kernels.
     for s in range(1, S):
-      cache, tokens = step(cache, tokens, jnp.full((1,), s, jnp.int32))
+      cache, tokens, counters = step(cache, tokens, counters,
+                                     jnp.full((1,), s, jnp.int32))
   elif S > 1:
     def body(carry, s):
       return step(*carry, s[None]), None
 
-    (cache, tokens), _ = jax.lax.scan(body, (cache, tokens),
-                                      jnp.arange(1, S, dtype=jnp.int32))
+    (cache, tokens, counters), _ = jax.lax.scan(
+        body, (cache, tokens, counters), jnp.arange(1, S, dtype=jnp.int32))
   return tokens.reshape(B, S), cache
 
 

@@ -378,7 +378,9 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
       the mesh's devices are GPUs.
     method: "fused" or "reference", as in :func:`jax_markov.sample_draft`;
       None picks by the tuning table for the per-shard vocabulary.
-    config: a full launch configuration (its block_v applies per shard).
+    config: a full launch configuration (its block_v applies per shard;
+      its select field does not: the draw is always the cross-device
+      exchange above, after a block pass without the tail select).
     check_values: read concrete arguments to check their values.
 
   V need not be a multiple of n: the vocabulary is then padded inside the call

@@ -298,4 +298,42 @@ def test_fma_bias_agrees(block_b, block_v, block_k, k_loop):
   _check_changing_rows(20, config)
 
 
+@pytest.mark.parametrize("block_v,k_loop,unroll",
+                         [(64, "fori", True), (128, "static", False),
+                          (16, "fori", False)])
+def test_tail_select_agrees(block_v, k_loop, unroll):
+  """select='tail' (the block pass's last program draws, one launch a step):
+  the same tokens and cache as the select pass, which the reference checks,
+  both layouts, at temperatures 0 and 1."""
+  args = make_problem(5, 3, 300, 80, seed=24,
+                      temperature=np.array([1.0, 0.0, 1.0, 0.7, 0.0]))
+  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
+  for select in ("pass", "tail"):
+    config = jm.KernelConfig("fused", 1, block_v, 32, k_loop=k_loop,
+                             unroll=unroll, bias_dot="fma", select=select)
+    draft = jm.sample_draft(*args, config=config)
+    np.testing.assert_array_equal(draft.tokens, ref_tokens)
+    np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+    check_sample_draft(draft, *args)
+  _check_changing_rows(25, config)
+
+
+def test_tail_select_edge_rows():
+  """NaN, all -inf and +inf rows draw as the select pass draws them."""
+  base, anchor, head, t, seeds, pos = make_problem(4, 2, 200, 8, seed=26)
+  base = np.asarray(base).copy()
+  base[0, 0, :] = np.nan
+  base[1, :, :] = -np.inf
+  base[2, 1, 37] = np.inf
+  base[3, 0, ::3] = -np.inf
+  args = (jnp.asarray(base), anchor, head, t, seeds, pos)
+  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
+      "fused", 1, 64, 16, bias_dot="fma", select=select))
+            for select in ("pass", "tail")]
+  np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
+  np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
+  np.testing.assert_array_equal(drafts[1].tokens[1], [0, 0])
+  assert drafts[1].tokens[2, 1] == 37
+
+
 METHODS_AND_TILES = [("fused", 16), ("reference", 1)]

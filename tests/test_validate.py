@@ -1,5 +1,6 @@
 """Bad input raises a clear error before anything compiles."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,6 +74,34 @@ def test_bad_method_and_config(args):
     jm.KernelConfig("fused", 16, 128, k_loop="while")
   # On the CUDA cores any power-of-two request tile and rank chunk will do.
   assert jm.KernelConfig("fused", 4, 128, 8, bias_dot="fma").block_b == 4
+  with pytest.raises(ValueError, match="select must be"):
+    jm.KernelConfig("fused", 1, 128, bias_dot="fma", select="gumbel")
+  # The tail select draws for one request a program (fused only).
+  with pytest.raises(ValueError, match="block_b=1"):
+    jm.KernelConfig("fused", 4, 128, 8, bias_dot="fma", select="tail")
+  with pytest.raises(ValueError, match="fused"):
+    jm.KernelConfig("reference", 1, 128, select="tail")
+
+
+def test_block_pass_tail_needs_counters():
+  from jax_markov.kernels.block_pass import block_pass
+  base = jnp.zeros((2, 64), jnp.float32)
+  head = (jnp.zeros((64, 16)), jnp.zeros((64, 16)), jnp.zeros((2,), jnp.int32),
+          None)
+  params = jnp.ones((3, 2), jnp.float32)
+  step = jnp.zeros((1,), jnp.int32)
+  kw = dict(num_steps=1, num_cache_rows=2, block_b=1, block_v=32, block_k=16,
+            bias_dot="fma", select="tail", interpret=True)
+  with pytest.raises(ValueError, match="counters int32 \\[2\\]"):
+    block_pass(base, head, step, params, **kw)
+  with pytest.raises(ValueError, match="counters int32"):
+    block_pass(base, head, step, params, counters=jnp.zeros((3,), jnp.int32),
+               **kw)
+  out = block_pass(base, head, step, params,
+                   counters=jnp.zeros((2,), jnp.int32), **kw)
+  tokens, counters = out[4:]
+  chex.assert_shape(tokens, (2,))
+  np.testing.assert_array_equal(counters, [0, 0])  # left at zero
 
 
 def test_cached_shape_checks_still_raise(args):

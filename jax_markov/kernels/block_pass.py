@@ -13,7 +13,10 @@ columns and
 2. stores x to the cache row of each request (rows < 0 are padding: no store);
 3. keeps, per request, the block's max of ``y = x * scale``, the sum of
    ``exp(y - max)`` and the first index of that max, which is all the select
-   pass needs to choose a block without reading the logits again.
+   pass needs to choose a block without reading the logits again;
+4. with ``select="tail"``, counts itself done on its request tile's counter;
+   the program that counts last draws the tile's tokens (the select pass's
+   arithmetic, :func:`select_pass.draw_token`), so a step is one launch.
 
 NaN logits enter the statistics as -inf (never drawn) but are stored as they are.
 """
@@ -27,12 +30,34 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_markov.kernels.select_pass import draw_token
+
+K_LOOPS = ("fori", "static")
+BIAS_DOTS = ("mma", "fma")
+SELECTS = ("pass", "tail")
+
+
+def check_options(*, k_loop: str, bias_dot: str, select: str, block_b: int,
+                  fused: bool) -> None:
+  """Raises ValueError for an option the block pass does not have."""
+  for name, value, allowed in (("k_loop", k_loop, K_LOOPS),
+                               ("bias_dot", bias_dot, BIAS_DOTS),
+                               ("select", select, SELECTS)):
+    if value not in allowed:
+      raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+  if select == "tail" and not (fused and block_b == 1):
+    # One request a program: its block statistics are single values, stored
+    # by the thread that also counts, so the count's release covers them.
+    raise ValueError("select='tail' needs the fused method with block_b=1, "
+                     f"got fused={fused}, block_b={block_b}")
+
 
 def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
                        has_cache_in: bool, block_b: int, block_v: int,
                        block_k: int, batch: int,
                        steps: int, vocab: int, rank: int, k_loop: str,
-                       serpentine: bool, bias_dot: str, precision):
+                       serpentine: bool, bias_dot: str, tail: bool,
+                       precision):
   if fused:
     base_ref, embed_ref, proj_ref, anchors_ref, *refs = refs
     tokens_ref = refs.pop(0) if has_tokens else None
@@ -42,7 +67,10 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
   cache_rows_ref = None if dense else refs.pop(0)
   if has_cache_in:
     refs.pop(0)  # aliased with cache_ref: the same buffer
-  cache_ref, bmax_ref, bsum_ref, barg_ref = refs
+  if tail:
+    refs.pop(0)  # the counters, aliased with counter_ref
+  cache_ref, bmax_ref, bsum_ref, barg_ref, *refs = refs
+  tokens_out_ref, counter_ref = refs if tail else (None, None)
 
   i = pl.program_id(0)
   j = pl.program_id(1)
@@ -146,6 +174,30 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
   plgpu.store(bsum_ref.at[j, pl.ds(b0, block_b)], y_sum, mask=b_mask)
   plgpu.store(barg_ref.at[j, pl.ds(b0, block_b)], y_arg, mask=b_mask)
 
+  if tail:
+    # The count is acq_rel at GPU scope: it releases this program's stores
+    # (cache before the block reductions' barrier, statistics by the counting
+    # thread), and the program that counts last acquires everyone's.
+    done = plgpu.atomic_add(counter_ref, i, jnp.ones((), jnp.int32))
+
+    @pl.when(done == pl.num_programs(1) - 1)
+    def _select_tail():
+      num_blocks = pl.cdiv(vocab, block_v)
+      for r in range(block_b):
+        b = b0 + r
+
+        @pl.when(b < batch)
+        def _draw():
+          d = b * steps + step_ref[0]
+          tokens_out_ref[d] = draw_token(
+              bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
+              cache_rows_ref, b, d, num_blocks=num_blocks,
+              blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
+              vocab=vocab)
+
+      # Every program of this tile has counted: the next step starts from 0.
+      counter_ref[i] = 0
+
 
 def block_pass(base: jax.Array, bias_or_head: tuple,
                step: jax.Array, params: jax.Array,
@@ -154,6 +206,7 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
                num_cache_rows: int, block_b: int, block_v: int,
                block_k: int = 64, k_loop: str = "fori",
                serpentine: bool = True, bias_dot: str = "mma",
+               select: str = "pass", counters: jax.Array | None = None,
                num_warps: int = 4, num_stages: int = 1,
                interpret: bool = False):
   """Runs the block pass of one step.
@@ -193,6 +246,11 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
     bias_dot: fused only: "mma" (tensor cores; block_b, block_k >= 16) or
       "fma" (products summed on the CUDA cores; any block_b, for a few
       requests, where the tensor cores' 16-row tile would be mostly padding).
+    select: "pass" (the select pass draws, a second launch) or "tail" (fused
+      with block_b = 1: the last program of each request tile to finish
+      draws its tokens, so the step is one launch; needs ``counters``).
+    counters: with select="tail", int32 [cdiv(B, block_b)] zeros, one
+      counter per request tile, updated in place and left at zero.
     num_warps, num_stages: Triton launch parameters.
     interpret: run the kernel in the Pallas interpreter (CPU).
 
@@ -200,22 +258,29 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
     (cache, block_max, block_sum, block_argmax): the cache float32
     [num_cache_rows, V], and per block and request float32 [NB, B] max of
     x * scale, float32 [NB, B] sum of exp(x * scale - max), int32 [NB, B]
-    vocabulary index of the first max; NB = cdiv(V, block_v).
+    vocabulary index of the first max; NB = cdiv(V, block_v). With
+    select="tail" also (tokens, counters): tokens int32 [B * S] (the tokens
+    argument updated, or a new array with only this step's draws written)
+    and the counters, zero again.
   """
   fused = len(bias_or_head) == 4
   if not fused and len(bias_or_head) != 1:
     raise ValueError("bias_or_head must be (bias,) or (embed, proj, anchors, "
                      f"tokens), got {len(bias_or_head)} arrays")
-  if fused and bias_or_head[3] is None:
+  check_options(k_loop=k_loop, bias_dot=bias_dot, select=select,
+                block_b=block_b, fused=fused)
+  tail = select == "tail"
+  has_tokens = fused and bias_or_head[3] is not None
+  if fused and not has_tokens:
     bias_or_head = bias_or_head[:3]
-  has_tokens = fused and len(bias_or_head) == 4
   batch, vocab = base.shape[0] // num_steps, base.shape[1]
   rank = bias_or_head[1].shape[1] if fused else 0
   num_blocks = pl.cdiv(vocab, block_v)
-  if k_loop not in ("fori", "static"):
-    raise ValueError(f"k_loop must be 'fori' or 'static', got {k_loop!r}")
-  if bias_dot not in ("mma", "fma"):
-    raise ValueError(f"bias_dot must be 'mma' or 'fma', got {bias_dot!r}")
+  num_tiles = pl.cdiv(batch, block_b)
+  if tail and (counters is None or counters.shape != (num_tiles,)
+               or counters.dtype != jnp.int32):
+    raise ValueError(f"select='tail' needs counters int32 [{num_tiles}], got "
+                     f"{None if counters is None else counters.shape}")
   precision = None
   if fused and bias_or_head[1].dtype == jnp.float32:
     precision = jax.lax.Precision.HIGHEST  # no tf32: keep float32 products
@@ -224,14 +289,14 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
       _block_pass_kernel, fused=fused, has_tokens=has_tokens, dense=dense,
       has_cache_in=cache is not None, block_b=block_b, block_v=block_v,
       block_k=block_k, batch=batch, steps=num_steps, vocab=vocab, rank=rank,
-      k_loop=k_loop, serpentine=serpentine, bias_dot=bias_dot,
+      k_loop=k_loop, serpentine=serpentine, bias_dot=bias_dot, tail=tail,
       precision=precision)
   inputs = (base, *bias_or_head, step, params)
   if not dense:
     inputs = (*inputs, cache_rows)
   aliases = {}
   if cache is not None:
-    aliases = {len(inputs): 0}
+    aliases[len(inputs)] = 0
     inputs = (*inputs, cache)
   out_shape = (
       jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
@@ -239,10 +304,18 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
       jax.ShapeDtypeStruct((num_blocks, batch), jnp.float32),
       jax.ShapeDtypeStruct((num_blocks, batch), jnp.int32),
   )
+  if tail:
+    if has_tokens:  # the tokens input (after base, embed, proj, anchors)
+      aliases[4] = 4
+    aliases[len(inputs)] = 5
+    inputs = (*inputs, counters)
+    out_shape = (*out_shape,
+                 jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32),
+                 jax.ShapeDtypeStruct((num_tiles,), jnp.int32))
   return pl.pallas_call(
       kernel,
       out_shape=out_shape,
-      grid=(pl.cdiv(batch, block_b), num_blocks),
+      grid=(num_tiles, num_blocks),
       input_output_aliases=aliases,
       compiler_params=plgpu.CompilerParams(num_warps=num_warps,
                                            num_stages=num_stages),

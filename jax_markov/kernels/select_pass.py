@@ -27,16 +27,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def _select_pass_kernel(*refs, dense: bool, has_tokens_in: bool,
-                        num_blocks: int, blocks_pow2: int, block_v: int,
-                        steps: int, vocab: int):
-  bmax_ref, bsum_ref, barg_ref, cache_ref, step_ref, params_ref, *refs = refs
-  cache_rows_ref = None if dense else refs.pop(0)
-  if has_tokens_in:
-    refs.pop(0)  # aliased with tokens_ref: the same buffer
-  (tokens_ref,) = refs
-  b = pl.program_id(0)
-  d = b * steps + step_ref[0]  # this draw's flat index in the [B * S] arrays
+def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
+               cache_rows_ref, b, d, *, num_blocks: int, blocks_pow2: int,
+               block_v: int, vocab: int):
+  """The token of draw d (request b) from its block statistics and cache row.
+
+  Shared by the select pass and the block pass's tail select (the block pass
+  program that finishes a step last), so both draw with the same float32
+  arithmetic. The refs are as the select pass takes them; cache_rows_ref is
+  None for the dense layout.
+  """
   blk = jnp.arange(blocks_pow2)
   blk_mask = blk < num_blocks
   bmax = plgpu.load(bmax_ref.at[pl.ds(0, blocks_pow2), b], mask=blk_mask,
@@ -68,7 +68,7 @@ def _select_pass_kernel(*refs, dense: bool, has_tokens_in: bool,
   col = jnp.arange(block_v)
   v_mask = v0 + col < vocab
   # Padding draws (row -1) are greedy: any row in range serves.
-  row = d if dense else jnp.maximum(cache_rows_ref[d], 0)
+  row = d if cache_rows_ref is None else jnp.maximum(cache_rows_ref[d], 0)
   x = plgpu.load(cache_ref.at[row, pl.ds(v0, block_v)], mask=v_mask,
                  other=-jnp.inf)
   y = jnp.where(x == x, x, -jnp.inf) * params_ref[0, d]
@@ -84,7 +84,23 @@ def _select_pass_kernel(*refs, dense: bool, has_tokens_in: bool,
 
   token = jnp.where(greedy, greedy_token, sampled)
   # In range whatever the logits: the next step looks the token up in embed.
-  tokens_ref[d] = jnp.clip(token, 0, vocab - 1)
+  return jnp.clip(token, 0, vocab - 1)
+
+
+def _select_pass_kernel(*refs, dense: bool, has_tokens_in: bool,
+                        num_blocks: int, blocks_pow2: int, block_v: int,
+                        steps: int, vocab: int):
+  bmax_ref, bsum_ref, barg_ref, cache_ref, step_ref, params_ref, *refs = refs
+  cache_rows_ref = None if dense else refs.pop(0)
+  if has_tokens_in:
+    refs.pop(0)  # aliased with tokens_ref: the same buffer
+  (tokens_ref,) = refs
+  b = pl.program_id(0)
+  d = b * steps + step_ref[0]  # this draw's flat index in the [B * S] arrays
+  tokens_ref[d] = draw_token(
+      bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref, cache_rows_ref, b,
+      d, num_blocks=num_blocks, blocks_pow2=blocks_pow2, block_v=block_v,
+      vocab=vocab)
 
 
 def select_pass(block_max: jax.Array, block_sum: jax.Array,

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from jax_markov.kernels import block_pass
+
 METHODS = ("fused", "reference")
 
 
@@ -46,6 +48,9 @@ class KernelConfig:
     bias_dot: fused only: "mma" computes the bias tile on the tensor cores
       (block_b and block_k >= 16), "fma" on the CUDA cores (any block_b: for
       a few requests).
+    select: "pass" draws in a second launch a step (the select pass); "tail"
+      (fused, block_b = 1) draws in the block pass's program that finishes
+      the step last, one launch a step.
   """
   method: str = "fused"
   block_b: int = 16
@@ -58,18 +63,18 @@ class KernelConfig:
   k_loop: str = "fori"
   serpentine: bool = True
   bias_dot: str = "mma"
+  select: str = "pass"
 
   def __post_init__(self):
     if self.method not in METHODS:
       raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
-    if self.k_loop not in ("fori", "static"):
-      raise ValueError(f"k_loop must be 'fori' or 'static', got {self.k_loop!r}")
     for name in ("block_b", "block_v", "block_k", "num_warps"):
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")
-    if self.bias_dot not in ("mma", "fma"):
-      raise ValueError(f"bias_dot must be 'mma' or 'fma', got {self.bias_dot!r}")
+    block_pass.check_options(k_loop=self.k_loop, bias_dot=self.bias_dot,
+                             select=self.select, block_b=self.block_b,
+                             fused=self.method == "fused")
     if (self.method == "fused" and self.bias_dot == "mma"
         and (self.block_b < 16 or self.block_k < 16)):
       raise ValueError("fused with bias_dot='mma': block_b and block_k must be "
