@@ -1,7 +1,9 @@
-"""Compiles the tail-select block pass once and prints what the PTX does
-around its atomic count (is a CTA barrier between the stores and the count?).
+"""Compiles the tail-select block pass once and prints, from XLA's dump of the
+compiled module, what the kernel does before its atomic count: the global
+stores, CTA barriers and fences (is a barrier between the stores and the count?).
 
-  XLA_FLAGS=--xla_dump_to=DIR python benchmarks/ptx_check.py DIR
+  XLA_FLAGS="--xla_dump_to=DIR --xla_gpu_dump_llvmir" \
+    python benchmarks/ptx_check.py DIR
 """
 import glob
 import re
@@ -24,19 +26,20 @@ def main(dump_dir):
                       jnp.ones((B,), jnp.float32), np.arange(B),
                       jnp.arange(S)[None], config=cfg)
   d.tokens.block_until_ready()
-  for path in glob.glob(f"{dump_dir}/**/*.ptx", recursive=True):
-    text = open(path).read()
-    if "atom." not in text:
+  pattern = (r"bar\.|st\.global|atom\.|fence|membar|\.entry|barrier|"
+             r"atomicrmw|store .*addrspace\(1\)|^define")
+  for path in sorted(glob.glob(f"{dump_dir}/**/*", recursive=True)):
+    if not path.endswith((".ptx", ".ll")):
       continue
-    lines = text.splitlines()
+    lines = open(path).read().splitlines()
     for n, line in enumerate(lines):
-      if "atom." in line:
+      if "atom." in line or "atomicrmw" in line:
         print(f"== {path}:{n}")
-        lo = max(k for k in range(n) if ".entry" in lines[k] or k == 0)
-        window = [f"{k}: {lines[k].strip()}" for k in range(lo, n + 3)
-                  if re.search(r"bar\.|st\.global|atom\.|fence|membar|\.entry",
-                               lines[k])]
-        print("\n".join(window))
+        lo = max(k for k in range(n + 1)
+                 if k == 0 or ".entry" in lines[k] or lines[k].startswith("define"))
+        window = [f"{k}: {lines[k].strip()[:160]}" for k in range(lo, n + 3)
+                  if re.search(pattern, lines[k])]
+        print("\n".join(window[-40:]))
 
 
 if __name__ == "__main__":

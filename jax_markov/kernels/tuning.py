@@ -5,7 +5,8 @@
 rule:
 
 * fused (the default at every batch): at B = 1 one request a program with
-  the bias on the CUDA cores (bias_dot="fma"), 128 vocabulary columns; above,
+  the bias on the CUDA cores (bias_dot="fma"), 128 vocabulary columns, and
+  the block pass's last program drawing the token (select="tail"); above,
   request tiles of 16..64 on the tensor cores (their smallest M is 16), 256
   vocabulary columns per program (128 with 64-request tiles, so the float32
   accumulator stays in registers); rank chunks of 64 in a loop Triton
@@ -94,7 +95,7 @@ def _batch_bucket(batch: int) -> int:
 # benchmarks/tune.py's sweep on an H200 (benchmarks/results/tune-*.json).
 TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     ("fused", 129280, 256, 1): KernelConfig("fused", 1, 128, 64, 4, 3,
-                                            bias_dot="fma"),
+                                            bias_dot="fma", select="tail"),
     ("fused", 129280, 256, 64): KernelConfig("fused", 64, 128, 64, 4, 3),
     ("fused", 129280, 256, 256): KernelConfig("fused", 64, 128, 64, 4, 3),
     ("reference", 129280, 256, 1): KernelConfig("reference", 1, 4096, 64, 8, 1),
@@ -135,7 +136,8 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
                         8 if batch <= 4 else 4)
   if batch == 1:  # one request: the bias on the CUDA cores (docs/perf-notes.md)
     return KernelConfig(method, 1, min(128, max(16, _next_pow2(vocab))),
-                        min(64, _next_pow2(rank)), 4, 3, bias_dot="fma")
+                        min(64, _next_pow2(rank)), 4, 3, bias_dot="fma",
+                        select="tail")
   block_b = min(64, max(16, _next_pow2(batch)))
   block_v = 128 if block_b == 64 else 256  # the accumulator fits in registers
   return KernelConfig(method, block_b, min(block_v, max(16, _next_pow2(vocab))),
