@@ -250,7 +250,7 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
       bias_or_head = (jax.lax.dot_general(
           embed[prev], proj, (((1,), (1,)), ((), ())),
           precision=gemm_precision, preferred_element_type=jnp.float32),)
-    cache, bmax, bsum, barg = block_pass(
+    cache, *stats = block_pass(
         base_flat, bias_or_head, jnp.reshape(s, (1,)).astype(jnp.int32),
         params, None, cache, num_steps=S, num_cache_rows=B * S,
         block_b=config.block_b, block_v=config.block_v,
@@ -258,6 +258,7 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
         serpentine=config.serpentine, bias_dot=config.bias_dot,
         num_warps=config.num_warps, num_stages=config.num_stages,
         interpret=interpret)
+    bmax, bsum, barg = (x.T for x in stats)  # [NB, B], as the exchange reads
     owner, block, is_greedy, m_safe, prefix, target = decide(
         bmax, bsum, u[:, s], greedy[:, s], axis=axis, shard=shard,
         num_local=num_local)

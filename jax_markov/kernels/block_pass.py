@@ -170,9 +170,13 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
   # which the select pass reads as "fall back to argmax".
   finite_max = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max, 0.0)
   y_sum = jnp.sum(jnp.exp(y - finite_max[:, None]), axis=1)
-  plgpu.store(bmax_ref.at[j, pl.ds(b0, block_b)], y_max, mask=b_mask)
-  plgpu.store(bsum_ref.at[j, pl.ds(b0, block_b)], y_sum, mask=b_mask)
-  plgpu.store(barg_ref.at[j, pl.ds(b0, block_b)], y_arg, mask=b_mask)
+  # Request-major [B, NB]: the select pass then reads each request's
+  # statistics as one contiguous row (a column of [NB, B] is one 32-byte
+  # sector per value); these stores are spread over all programs instead.
+  # Masked requests' rows (b_idx >= B) are distinct and past the array.
+  plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
+  plgpu.store(bsum_ref.at[b_idx, j], y_sum, mask=b_mask)
+  plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
 
   if tail:
     # The count is acq_rel at GPU scope: it releases this program's stores
@@ -256,8 +260,8 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
 
   Returns:
     (cache, block_max, block_sum, block_argmax): the cache float32
-    [num_cache_rows, V], and per block and request float32 [NB, B] max of
-    x * scale, float32 [NB, B] sum of exp(x * scale - max), int32 [NB, B]
+    [num_cache_rows, V], and per request and block float32 [B, NB] max of
+    x * scale, float32 [B, NB] sum of exp(x * scale - max), int32 [B, NB]
     vocabulary index of the first max; NB = cdiv(V, block_v). With
     select="tail" also (tokens, counters): tokens int32 [B * S] (the tokens
     argument updated, or a new array with only this step's draws written)
@@ -300,9 +304,9 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
     inputs = (*inputs, cache)
   out_shape = (
       jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
-      jax.ShapeDtypeStruct((num_blocks, batch), jnp.float32),
-      jax.ShapeDtypeStruct((num_blocks, batch), jnp.float32),
-      jax.ShapeDtypeStruct((num_blocks, batch), jnp.int32),
+      jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),
+      jax.ShapeDtypeStruct((batch, num_blocks), jnp.int32),
   )
   if tail:
     if has_tokens:  # the tokens input (after base, embed, proj, anchors)

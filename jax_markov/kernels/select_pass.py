@@ -39,9 +39,9 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
   """
   blk = jnp.arange(blocks_pow2)
   blk_mask = blk < num_blocks
-  bmax = plgpu.load(bmax_ref.at[pl.ds(0, blocks_pow2), b], mask=blk_mask,
+  bmax = plgpu.load(bmax_ref.at[b, pl.ds(0, blocks_pow2)], mask=blk_mask,
                     other=-jnp.inf)
-  bsum = plgpu.load(bsum_ref.at[pl.ds(0, blocks_pow2), b], mask=blk_mask,
+  bsum = plgpu.load(bsum_ref.at[b, pl.ds(0, blocks_pow2)], mask=blk_mask,
                     other=0.0)
   m = jnp.max(bmax)
   finite = (m > -jnp.inf) & (m < jnp.inf)
@@ -51,7 +51,7 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
   # order, so its first-max index is the row's lowest index of the max).
   first_max_block = jnp.min(jnp.where(bmax == m, blk, blocks_pow2))
   first_max_block = jnp.minimum(first_max_block, num_blocks - 1)
-  greedy_token = barg_ref[first_max_block, b]
+  greedy_token = barg_ref[b, first_max_block]
 
   # Inverse CDF, level 1: blocks. m is finite on this path; -inf blocks weigh 0.
   m_safe = jnp.where(finite, m, 0.0)
@@ -80,7 +80,7 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
   # p can underflow to 0 in a block whose block-pass mass was positive: then
   # that block's own argmax is the drawable token left.
   sampled = jnp.where(last_idx >= 0, v0 + jnp.minimum(idx, last_idx),
-                      barg_ref[k, b])
+                      barg_ref[b, k])
 
   token = jnp.where(greedy, greedy_token, sampled)
   # In range whatever the logits: the next step looks the token up in embed.
@@ -111,7 +111,7 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array,
   """Runs the select pass of one step.
 
   Args:
-    block_max, block_sum, block_argmax: [NB, B] from the block pass.
+    block_max, block_sum, block_argmax: [B, NB] from the block pass.
     cache: float32 [rows, V], the cache the block pass just wrote.
     step: int32 [1], the step s; draw (b, s) is flat index b * S + s of the
       per-draw arrays.
@@ -130,7 +130,7 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array,
   Returns:
     tokens int32 [B * S], with draw (b, s) at b * S + s written.
   """
-  num_blocks, batch = block_max.shape
+  batch, num_blocks = block_max.shape
   vocab = cache.shape[1]
   dense = cache_rows is None
   kernel = functools.partial(
