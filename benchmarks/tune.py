@@ -34,7 +34,7 @@ from jax_markov.kernels import tuning  # noqa: E402
 
 def candidates(batch: int, grid: str, shape: common.Shape):
   """Configurations to try at a batch size ("full", "quick", "refine", "fma",
-  "tail").
+  "tail", "wide").
 
   "refine" varies what "full" holds fixed (rank chunk, pipeline depth) over
   hand-picked tiles near the table's entries.
@@ -56,6 +56,14 @@ def candidates(batch: int, grid: str, shape: common.Shape):
       for select in ("pass", "tail"):
         yield jm.KernelConfig("fused", 1, bv, bk, w, st, bias_dot="fma",
                               select=select)
+    return
+  if grid == "wide":
+    # 128-request tiles (less L2 traffic a logit: the proj block is re-read by
+    # B / 128 programs instead of B / 64) with 8 warps, beside the table's tile.
+    yield tuning.choose(None, batch, shape.V, shape.R, interpret=False)
+    for bb, bv, bk, w, st in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 2),
+                              (128, 128, 32, 8, 4), (64, 128, 128, 4, 2)):
+      yield jm.KernelConfig("fused", min(bb, max(16, batch)), bv, bk, w, st)
     return
   if grid == "refine":
     if batch <= 16:
@@ -102,7 +110,8 @@ def main(argv=None):
   p.add_argument("--temperature", type=float, default=1.0)
   p.add_argument("--repeats", type=int, default=60)
   p.add_argument("--group", type=int, default=5)
-  p.add_argument("--grid", choices=("full", "quick", "refine", "fma", "tail"), default="full")
+  p.add_argument("--grid", choices=("full", "quick", "refine", "fma", "tail",
+                                       "wide"), default="full")
   p.add_argument("--only-default", action="store_true",
                  help="time the table's choice only (e.g. to compare XLA_FLAGS)")
   p.add_argument("--inspect", action="store_true")
