@@ -10,7 +10,9 @@ normaliser Z, then draws:
   whose running sum exceeds u * Z. One exp per logit of that block.
 
 and writes the token to the draft's [B * S] token array, where the next
-step's block pass reads it back (and gathers its embedding row itself).
+step's block pass reads it back (and gathers its embedding row itself). The
+draw itself, :func:`draw_token`, is also what the block pass's tail select
+runs (``select="tail"``), so the two forms draw identically.
 
 Invariant: the token is always in [0, V) and its p_j > 0 whenever the row has a
 drawable token; float32 rounding that leaves u * Z past the last partial sum
