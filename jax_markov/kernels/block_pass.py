@@ -186,14 +186,19 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
 
     @pl.when(done == pl.num_programs(1) - 1)
     def _select_tail():
-      # block_b == 1 (check_options): request tile i is request i.
       num_blocks = pl.cdiv(vocab, block_v)
-      d = i * steps + step_ref[0]
-      tokens_out_ref[d] = draw_token(
-          bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref, cache_rows_ref,
-          i, d, num_blocks=num_blocks,
-          blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
-          vocab=vocab)
+      for r in range(block_b):
+        b = b0 + r
+
+        @pl.when(b < batch)
+        def _draw():
+          d = b * steps + step_ref[0]
+          tokens_out_ref[d] = draw_token(
+              bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
+              cache_rows_ref, b, d, num_blocks=num_blocks,
+              blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
+              vocab=vocab)
+
       # Every program of this tile has counted: the next step starts from 0.
       counter_ref[i] = 0
 
