@@ -248,6 +248,10 @@ def round_robin(calls, finish: Callable | None = None) -> Callable[[int], None]:
   return run
 
 
+# Seconds of untimed calls before a point is timed (see warm_up).
+WARMUP_S = 0.2
+
+
 def warm_up(run: Callable[[int], None], calls: int, seconds: float,
             sync: Callable[[], None] | None = None) -> int:
   """Untimed calls: at least ``calls`` of them and ``seconds`` of wall time.

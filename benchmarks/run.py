@@ -81,9 +81,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="back-to-back calls per timed group (default 5)")
   p.add_argument("--warmup", type=int, default=3,
                  help="untimed calls before timing (default 3)")
-  p.add_argument("--warmup-s", type=float, default=0.2,
+  p.add_argument("--warmup-s", type=float, default=common.WARMUP_S,
                  help="and at least this many seconds of untimed calls, so "
-                 "the GPU's clocks are up (default 0.2)")
+                 f"the GPU's clocks are up (default {common.WARMUP_S})")
   p.add_argument("--out", default=None,
                  help="results JSON (default: benchmarks/results/<device>.json;"
                  " <device>-quick.json with --quick)")

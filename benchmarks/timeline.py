@@ -110,20 +110,19 @@ def main(argv=None):
   shape = common.SHAPES[a.shape]
   overrides = parse_overrides(a.set)
   rows = []
+  interpret = jax.default_backend() != "gpu"
   for B in a.batches:
     draft = common.jax_draft(shape, B, a.temperature)
-    cfg = tuning.choose(None, B, shape.V, shape.R,
-                        interpret=jax.default_backend() != "gpu")
+    cfg = tuning.choose(None, B, shape.V, shape.R, interpret=interpret)
     cfg = dataclasses.replace(cfg, **overrides)
     calls = draft.calls(cfg)
     run = common.round_robin(calls, finish=jax.block_until_ready)
-    run(3 * a.group)
+    common.warm_up(run, 3 * a.group, common.WARMUP_S)
     wall_ms, _ = common.wall_clock_median(run, 10 * a.group, a.group)
     # The host's share: time to issue one call (the device is kept busy, so
     # this is host work only), for the public function, the jitted function
     # it calls, and a jitted function that returns its first argument (what
     # any jitted call with these arguments costs).
-    interpret = jax.default_backend() != "gpu"
     jitted = lambda: jm.sampler._sample_draft(  # noqa: E731
         *draft.args(), config=cfg, interpret=interpret)
     noop = jax.jit(lambda *args: args[1])

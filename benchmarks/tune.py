@@ -127,7 +127,8 @@ def main(argv=None):
     for cfg in cfgs:
       run = common.round_robin(draft.calls(cfg), finish=jax.block_until_ready)
       try:
-        run(3)
+        # Clocks up before each config, not only the first one timed.
+        common.warm_up(run, 3, common.WARMUP_S)
         ms, _ = common.wall_clock_median(run, a.repeats, a.group)
       except Exception as e:  # noqa: BLE001 -- a config Triton cannot build
         print(f"B={B} {cfg}: failed {type(e).__name__}: {str(e)[:200]}",
