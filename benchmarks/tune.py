@@ -34,7 +34,7 @@ from jax_markov.kernels import tuning  # noqa: E402
 
 def candidates(batch: int, grid: str, shape: common.Shape):
   """Configurations to try at a batch size ("full", "quick", "refine", "fma",
-  "tail", "wide").
+  "tail", "wide", "keep").
 
   "refine" varies what "full" holds fixed (rank chunk, pipeline depth) over
   hand-picked tiles near the table's entries.
@@ -62,8 +62,18 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     # B / 128 programs instead of B / 64) with 8 warps, beside the table's tile.
     yield tuning.choose(None, batch, shape.V, shape.R, interpret=False)
     for bb, bv, bk, w, st in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 2),
-                              (128, 128, 32, 8, 4), (64, 128, 128, 4, 2)):
+                              (128, 128, 32, 8, 4), (128, 128, 32, 8, 3),
+                              (64, 128, 128, 4, 2), (64, 128, 64, 8, 3),
+                              (256, 64, 32, 8, 3)):
       yield jm.KernelConfig("fused", min(bb, max(16, batch)), bv, bk, w, st)
+    return
+  if grid == "keep":
+    # The table's tile with the first rows of proj kept in L2 across the
+    # steps (evict_last; every other stream evict_first): 0 to all of it.
+    table = tuning.choose(None, batch, shape.V, shape.R, interpret=False)
+    row_bytes = shape.R * 2
+    for mb in (0, 8, 16, 24, 32, 48, 64):
+      yield dataclasses.replace(table, proj_l2_rows=mb * 2**20 // row_bytes)
     return
   if grid == "refine":
     if batch <= 16:
@@ -111,7 +121,7 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=60)
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--grid", choices=("full", "quick", "refine", "fma", "tail",
-                                       "wide"), default="full")
+                                       "wide", "keep"), default="full")
   p.add_argument("--only-default", action="store_true",
                  help="time the table's choice only (e.g. to compare XLA_FLAGS)")
   p.add_argument("--inspect", action="store_true")
@@ -144,7 +154,8 @@ def main(argv=None):
       rows.append(row)
       print(f"B={B:4d} {cfg.method:9s} bb={cfg.block_b:3d} bv={cfg.block_v:5d} "
             f"bk={cfg.block_k:3d} w={cfg.num_warps} st={cfg.num_stages} "
-            f"sw={cfg.select_warps} {cfg.k_loop:6s} {cfg.bias_dot} {cfg.select}: "
+            f"sw={cfg.select_warps} {cfg.k_loop:6s} {cfg.bias_dot} {cfg.select} "
+            f"l2={cfg.proj_l2_rows}: "
             f"{ms:.4f} ms {row.get('launches', '')}", flush=True)
       if best is None or ms < best[0]:
         best = (ms, cfg)

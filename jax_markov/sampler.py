@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax_markov import rng, validate
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
-from jax_markov.kernels.block_pass import block_pass
+from jax_markov.kernels.block_pass import block_pass, num_request_tiles
 from jax_markov.kernels.select_pass import select_pass
 
 
@@ -79,6 +79,7 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
         block_v=config.block_v, block_k=config.block_k,
         k_loop=config.k_loop, serpentine=config.serpentine,
         bias_dot=config.bias_dot, select=config.select, counters=counters,
+        proj_l2_rows=config.proj_l2_rows,
         num_warps=config.num_warps, num_stages=config.num_stages,
         interpret=interpret)
     if tail:  # the block pass drew the tokens itself
@@ -96,7 +97,7 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
   # zero and every step leaves them there.
   counters = None
   if tail:
-    counters = jnp.zeros((-(-B // config.block_b),), jnp.int32)
+    counters = jnp.zeros((num_request_tiles(B, config.block_b),), jnp.int32)
   cache, tokens, counters = step(cache, None, counters,
                                  jnp.zeros((1,), jnp.int32))
   unroll = not interpret if config.unroll is None else config.unroll

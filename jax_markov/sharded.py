@@ -256,6 +256,7 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
         block_b=config.block_b, block_v=config.block_v,
         block_k=config.block_k, k_loop=config.k_loop,
         serpentine=config.serpentine, bias_dot=config.bias_dot,
+        proj_l2_rows=config.proj_l2_rows,
         num_warps=config.num_warps, num_stages=config.num_stages,
         interpret=interpret)
     bmax, bsum, barg = (x.T for x in stats)  # [NB, B], as the exchange reads

@@ -94,3 +94,20 @@ def test_tail_select_matches_select_pass_at_deepseek_v4_shape(B):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.logits, b.logits)
   check_sample_draft(b, base, anchor, head, t, seeds, pos)
+
+
+@pytest.mark.parametrize("tile", [(1, 128, 64, "fma", "tail"),
+                                  (16, 256, 64, "mma", "pass")])
+def test_proj_l2_rows_changes_nothing_at_deepseek_v4_shape(tile):
+  """L2 hints (part of proj kept across steps) compile on both bias dots and
+  give bit-for-bit the draft of the same tile without them."""
+  block_b, block_v, block_k, bias_dot, select = tile
+  B = max(1, block_b // 4)
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16, seed=29,
+                      head_scale=0.1, temperature=np.arange(B) % 2 * 1.0)
+  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
+      "fused", block_b, block_v, block_k, 4, 3, bias_dot=bias_dot,
+      select=select, proj_l2_rows=rows)) for rows in (0, 49152)]
+  np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
+  np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
+  check_sample_draft(drafts[1], *args)

@@ -298,6 +298,26 @@ def test_fma_bias_agrees(block_b, block_v, block_k, k_loop):
   _check_changing_rows(20, config)
 
 
+@pytest.mark.parametrize("block_b,bias_dot,select,k_loop,proj_l2_rows",
+                         [(16, "mma", "pass", "fori", 100),
+                          (1, "fma", "tail", "fori", 64),
+                          (1, "fma", "pass", "static", 10_000)])
+def test_proj_l2_rows_changes_no_result(block_b, bias_dot, select, k_loop,
+                                        proj_l2_rows):
+  """L2 hints that keep the first rows of proj in L2 across the steps (part
+  of them, one block, or all of proj) take one branch or the other per
+  program and step: the same draft as the reference, both layouts."""
+  args = make_problem(5, 3, 300, 80, seed=27)
+  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
+  config = jm.KernelConfig("fused", block_b, 64, 32, k_loop=k_loop,
+                           bias_dot=bias_dot, select=select,
+                           proj_l2_rows=proj_l2_rows)
+  draft = jm.sample_draft(*args, config=config)
+  np.testing.assert_array_equal(draft.tokens, ref_tokens)
+  np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+  _check_changing_rows(28, config)
+
+
 @pytest.mark.parametrize("block_v,k_loop,unroll",
                          [(64, "fori", True), (128, "static", False),
                           (16, "fori", False)])

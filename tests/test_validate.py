@@ -81,6 +81,27 @@ def test_bad_method_and_config(args):
     jm.KernelConfig("fused", 4, 128, 8, bias_dot="fma", select="tail")
   with pytest.raises(ValueError, match="fused"):
     jm.KernelConfig("reference", 1, 128, select="tail")
+  with pytest.raises(ValueError, match="proj_l2_rows must be >= 0"):
+    jm.KernelConfig("fused", 16, 128, proj_l2_rows=-1)
+  with pytest.raises(ValueError, match="needs the fused method"):
+    jm.KernelConfig("reference", 1, 128, proj_l2_rows=1024)
+
+
+def test_block_pass_checks_its_options():
+  """A direct block_pass call is refused what KernelConfig refuses."""
+  from jax_markov.kernels.block_pass import block_pass
+  base = jnp.zeros((2, 64), jnp.float32)
+  head = (jnp.zeros((64, 16)), jnp.zeros((64, 16)), jnp.zeros((2,), jnp.int32),
+          None)
+  step, params = jnp.zeros((1,), jnp.int32), jnp.ones((3, 2), jnp.float32)
+  kw = dict(num_steps=1, num_cache_rows=2, block_v=32, interpret=True)
+  with pytest.raises(ValueError, match="tensor-core tile"):
+    block_pass(base, head, step, params, block_b=8, block_k=16, **kw)
+  with pytest.raises(ValueError, match="tensor-core tile"):
+    block_pass(base, head, step, params, block_b=16, block_k=8, **kw)
+  with pytest.raises(ValueError, match="needs the fused method"):
+    block_pass(base, (jnp.zeros((2, 64), jnp.float32),), step, params,
+               block_b=1, proj_l2_rows=32, **kw)
 
 
 def test_block_pass_tail_needs_counters():

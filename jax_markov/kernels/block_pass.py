@@ -37,19 +37,31 @@ BIAS_DOTS = ("mma", "fma")
 SELECTS = ("pass", "tail")
 
 
-def check_options(*, k_loop: str, bias_dot: str, select: str, block_b: int,
-                  fused: bool) -> None:
+def check_options(*, fused: bool, block_b: int, block_k: int, k_loop: str,
+                  bias_dot: str, select: str, proj_l2_rows: int) -> None:
   """Raises ValueError for an option the block pass does not have."""
   for name, value, allowed in (("k_loop", k_loop, K_LOOPS),
                                ("bias_dot", bias_dot, BIAS_DOTS),
                                ("select", select, SELECTS)):
     if value not in allowed:
       raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+  if fused and bias_dot == "mma" and (block_b < 16 or block_k < 16):
+    raise ValueError("fused with bias_dot='mma': block_b and block_k must be "
+                     f">= 16 (tensor-core tile), got block_b={block_b}, "
+                     f"block_k={block_k}")
   if select == "tail" and not (fused and block_b == 1):
     # One request a program: its block statistics are single values, stored
     # by the thread that also counts, so the count's release covers them.
     raise ValueError("select='tail' needs the fused method with block_b=1, "
                      f"got fused={fused}, block_b={block_b}")
+  if proj_l2_rows < 0 or (proj_l2_rows and not fused):
+    raise ValueError("proj_l2_rows must be >= 0 and needs the fused method, "
+                     f"got {proj_l2_rows} (fused={fused})")
+
+
+def num_request_tiles(batch: int, block_b: int) -> int:
+  """Programs along the requests; the tail select's counters are int32 of it."""
+  return pl.cdiv(batch, block_b)
 
 
 def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
@@ -57,7 +69,7 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
                        block_k: int, batch: int,
                        steps: int, vocab: int, rank: int, k_loop: str,
                        serpentine: bool, bias_dot: str, tail: bool,
-                       precision):
+                       keep_blocks: int, precision):
   if fused:
     base_ref, embed_ref, proj_ref, anchors_ref, *refs = refs
     tokens_ref = refs.pop(0) if has_tokens else None
@@ -94,8 +106,12 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
   # beside an array), the one mixed form both Triton and the interpreter take;
   # the interpreter clamps an out-of-range slice instead of masking it.
   cols = (v0 + jnp.arange(block_v))[None, :]
+  # With keep_blocks > 0, what a step reads or writes once (base, cache, the
+  # rest of proj) leaves L2 first, so the first keep_blocks blocks of proj,
+  # which every step reads again, stay there from one step to the next.
+  stream = "evict_first" if keep_blocks else None
   x = plgpu.load(base_ref.at[draw[:, None], cols], mask=tile_mask,
-                 other=0).astype(jnp.float32)
+                 other=0, eviction_policy=stream).astype(jnp.float32)
   if fused:
     # The previous token of each request: its anchor at step 0, else what the
     # select pass drew at step - 1. Its embedding row is gathered here, so no
@@ -110,12 +126,13 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
     b_rows = prev[:, None]
     v_rows = (v0 + jnp.arange(block_v))[:, None]
 
-    def rank_chunk(k0, acc):
+    def rank_chunk(k0, acc, proj_policy):
       k_cols = (k0 + jnp.arange(block_k))[None, :]
       emb = plgpu.load(embed_ref.at[b_rows, k_cols],
                        mask=b_mask[:, None] & (k_cols < rank), other=0)
       proj = plgpu.load(proj_ref.at[v_rows, k_cols],
-                        mask=v_mask[:, None] & (k_cols < rank), other=0)
+                        mask=v_mask[:, None] & (k_cols < rank), other=0,
+                        eviction_policy=proj_policy)
       if bias_dot == "fma":
         # CUDA cores: products summed over k, with no shared-memory staging:
         # at a few requests the proj tile goes from HBM straight to registers.
@@ -129,20 +146,31 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
                                        precision=precision,
                                        preferred_element_type=jnp.float32)
 
+    num_chunks = pl.cdiv(rank, block_k)
+
+    def bias_loop(acc, proj_policy):
+      if k_loop == "fori":
+        # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
+        # while the tensor cores work on this one.
+        return jax.lax.fori_loop(
+            0, num_chunks,
+            lambda c, acc: rank_chunk(c * block_k, acc, proj_policy), acc)
+      for c in range(num_chunks):  # "static": no software pipelining
+        acc = rank_chunk(c * block_k, acc, proj_policy)
+      return acc
+
     # The base tile is the accumulator's initial value: no second [block_b,
     # block_v] float32 tile stays live across the rank loop (168 -> 128
     # registers at 64 x 128; docs/perf-notes.md).
-    acc = x
-    num_chunks = pl.cdiv(rank, block_k)
-    if k_loop == "fori":
-      # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
-      # while the tensor cores work on this one.
-      acc = jax.lax.fori_loop(0, num_chunks,
-                              lambda c, acc: rank_chunk(c * block_k, acc), acc)
-    else:  # "static": unrolled in Python, no software pipelining
-      for c in range(num_chunks):
-        acc = rank_chunk(c * block_k, acc)
-    x = acc
+    if keep_blocks:
+      # The policy is static per load, so the loop is traced once per policy
+      # and the program takes one branch. At the last step the kept blocks
+      # are read evict_first too: the draft leaves nothing pinned behind it.
+      keep = (j < keep_blocks) & (step_ref[0] < steps - 1)
+      x = jax.lax.cond(keep, lambda acc: bias_loop(acc, "evict_last"),
+                       lambda acc: bias_loop(acc, "evict_first"), x)
+    else:
+      x = bias_loop(x, None)
   else:
     rows = jnp.where(b_mask, b_idx, 0)
     x = x + plgpu.load(bias_ref.at[rows[:, None], cols], mask=tile_mask,
@@ -159,7 +187,7 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
   # writes (the interpreter's scatter has no order between duplicates).
   cache_rows = jnp.where(write, cache_rows, cache_ref.shape[0])
   plgpu.store(cache_ref.at[cache_rows[:, None], cols], x,
-              mask=write[:, None] & v_mask[None, :])
+              mask=write[:, None] & v_mask[None, :], eviction_policy=stream)
 
   scale = plgpu.load(params_ref.at[0, draw], mask=b_mask, other=1.0)
   y = jnp.where(x == x, x, -jnp.inf) * scale[:, None]  # NaN -> -inf
@@ -186,19 +214,14 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
 
     @pl.when(done == pl.num_programs(1) - 1)
     def _select_tail():
+      # block_b == 1 (check_options): request tile i is request i.
       num_blocks = pl.cdiv(vocab, block_v)
-      for r in range(block_b):
-        b = b0 + r
-
-        @pl.when(b < batch)
-        def _draw():
-          d = b * steps + step_ref[0]
-          tokens_out_ref[d] = draw_token(
-              bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
-              cache_rows_ref, b, d, num_blocks=num_blocks,
-              blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
-              vocab=vocab)
-
+      d = i * steps + step_ref[0]
+      tokens_out_ref[d] = draw_token(
+          bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref, cache_rows_ref,
+          i, d, num_blocks=num_blocks,
+          blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
+          vocab=vocab)
       # Every program of this tile has counted: the next step starts from 0.
       counter_ref[i] = 0
 
@@ -211,7 +234,7 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
                block_k: int = 64, k_loop: str = "fori",
                serpentine: bool = True, bias_dot: str = "mma",
                select: str = "pass", counters: jax.Array | None = None,
-               num_warps: int = 4, num_stages: int = 1,
+               proj_l2_rows: int = 0, num_warps: int = 4, num_stages: int = 1,
                interpret: bool = False):
   """Runs the block pass of one step.
 
@@ -255,6 +278,12 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
       draws its tokens, so the step is one launch; needs ``counters``).
     counters: with select="tail", int32 [cdiv(B, block_b)] zeros, one
       counter per request tile, updated in place and left at zero.
+    proj_l2_rows: fused only: the first rows of proj (rounded up to whole
+      vocabulary blocks) are loaded with an L2 evict_last hint at every step
+      but the last, and base, cache and the rest of proj with evict_first, so
+      those rows of proj stay in L2 from one step to the next (proj is read
+      again every step and is larger than L2). 0: no hints. The results do
+      not depend on it.
     num_warps, num_stages: Triton launch parameters.
     interpret: run the kernel in the Pallas interpreter (CPU).
 
@@ -271,8 +300,8 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
   if not fused and len(bias_or_head) != 1:
     raise ValueError("bias_or_head must be (bias,) or (embed, proj, anchors, "
                      f"tokens), got {len(bias_or_head)} arrays")
-  check_options(k_loop=k_loop, bias_dot=bias_dot, select=select,
-                block_b=block_b, fused=fused)
+  check_options(fused=fused, block_b=block_b, block_k=block_k, k_loop=k_loop,
+                bias_dot=bias_dot, select=select, proj_l2_rows=proj_l2_rows)
   tail = select == "tail"
   has_tokens = fused and bias_or_head[3] is not None
   if fused and not has_tokens:
@@ -280,11 +309,12 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
   batch, vocab = base.shape[0] // num_steps, base.shape[1]
   rank = bias_or_head[1].shape[1] if fused else 0
   num_blocks = pl.cdiv(vocab, block_v)
-  num_tiles = pl.cdiv(batch, block_b)
+  num_tiles = num_request_tiles(batch, block_b)
   if tail and (counters is None or counters.shape != (num_tiles,)
                or counters.dtype != jnp.int32):
     raise ValueError(f"select='tail' needs counters int32 [{num_tiles}], got "
                      f"{None if counters is None else counters.shape}")
+  keep_blocks = min(pl.cdiv(proj_l2_rows, block_v), num_blocks)
   precision = None
   if fused and bias_or_head[1].dtype == jnp.float32:
     precision = jax.lax.Precision.HIGHEST  # no tf32: keep float32 products
@@ -294,7 +324,7 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
       has_cache_in=cache is not None, block_b=block_b, block_v=block_v,
       block_k=block_k, batch=batch, steps=num_steps, vocab=vocab, rank=rank,
       k_loop=k_loop, serpentine=serpentine, bias_dot=bias_dot, tail=tail,
-      precision=precision)
+      keep_blocks=keep_blocks, precision=precision)
   inputs = (base, *bias_or_head, step, params)
   if not dense:
     inputs = (*inputs, cache_rows)

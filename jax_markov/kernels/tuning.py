@@ -52,6 +52,9 @@ class KernelConfig:
     select: "pass" draws in a second launch a step (the select pass); "tail"
       (fused, block_b = 1) draws in the block pass's program that finishes
       the step last, one launch a step.
+    proj_l2_rows: fused only: the first proj_l2_rows rows of proj stay in L2
+      across the steps (an evict_last hint on their loads, evict_first on
+      every other stream); 0: no cache hints.
   """
   method: str = "fused"
   block_b: int = 16
@@ -65,6 +68,7 @@ class KernelConfig:
   serpentine: bool = True
   bias_dot: str = "mma"
   select: str = "pass"
+  proj_l2_rows: int = 0
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -73,14 +77,10 @@ class KernelConfig:
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")
-    block_pass.check_options(k_loop=self.k_loop, bias_dot=self.bias_dot,
-                             select=self.select, block_b=self.block_b,
-                             fused=self.method == "fused")
-    if (self.method == "fused" and self.bias_dot == "mma"
-        and (self.block_b < 16 or self.block_k < 16)):
-      raise ValueError("fused with bias_dot='mma': block_b and block_k must be "
-                       ">= 16 (tensor-core tile), got "
-                       f"block_b={self.block_b}, block_k={self.block_k}")
+    block_pass.check_options(
+        fused=self.method == "fused", block_b=self.block_b,
+        block_k=self.block_k, k_loop=self.k_loop, bias_dot=self.bias_dot,
+        select=self.select, proj_l2_rows=self.proj_l2_rows)
 
 
 def _next_pow2(n: int) -> int:
@@ -95,7 +95,8 @@ def _batch_bucket(batch: int) -> int:
 # benchmarks/tune.py's sweep on an H200 (benchmarks/results/tune-*.json).
 TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     ("fused", 129280, 256, 1): KernelConfig("fused", 1, 128, 64, 4, 3,
-                                            bias_dot="fma", select="tail"),
+                                            bias_dot="fma", select="tail",
+                                            proj_l2_rows=49152),
     ("fused", 129280, 256, 64): KernelConfig("fused", 64, 128, 64, 4, 3),
     ("fused", 129280, 256, 256): KernelConfig("fused", 64, 128, 64, 4, 3),
     ("reference", 129280, 256, 1): KernelConfig("reference", 1, 4096, 64, 8, 1),
