@@ -6,7 +6,9 @@ rule:
 
 * fused (the default at every batch): at B = 1 one request a program with
   the bias on the CUDA cores (bias_dot="fma"), 128 vocabulary columns, and
-  the block pass's last program drawing the token (select="tail"); above,
+  the block pass's last program drawing the token (select="tail"); the
+  table's DeepSeek-V4 entry also keeps the first 24 MB of proj in L2 across
+  steps (proj_l2_rows; the rule does not: untuned elsewhere); above,
   request tiles of 16..64 on the tensor cores (their smallest M is 16), 256
   vocabulary columns per program (128 with 64-request tiles, so the float32
   accumulator stays in registers); rank chunks of 64 in a loop Triton
