@@ -88,10 +88,14 @@ def _shard_map(f, mesh, in_specs, out_specs):
   return shard_map(f, mesh, in_specs, out_specs, check_rep=False)
 
 
-def _first_index(hit: jax.Array, n: int) -> jax.Array:
-  """The first index along axis 0 where ``hit`` holds, clamped to n - 1. [B]."""
-  idx = jnp.arange(n, dtype=jnp.int32)[:, None]
-  return jnp.minimum(jnp.min(jnp.where(hit, idx, n), axis=0), n - 1)
+def _first_index(hit: jax.Array) -> jax.Array:
+  """hit bool [B, n]: the first index along axis 1 that holds, clamped to n - 1.
+
+  Returns int32 [B].
+  """
+  n = hit.shape[1]
+  idx = jnp.arange(n, dtype=jnp.int32)[None, :]
+  return jnp.minimum(jnp.min(jnp.where(hit, idx, n), axis=1), n - 1)
 
 
 def _walk(mass: jax.Array, target: jax.Array, offset: jax.Array):
@@ -103,20 +107,21 @@ def _walk(mass: jax.Array, target: jax.Array, offset: jax.Array):
   holding only -inf logits.
 
   Args:
-    mass: float32 [n, B], >= 0.
+    mass: float32 [B, n], >= 0 (request-major, as the block pass stores it).
     target: float32 [B], u * Z.
     offset: float32 [B] or scalar, the mass before segment 0.
 
   Returns:
     (k int32 [B] in [0, n), prefix float32 [B]: offset + mass before k).
   """
-  n = mass.shape[0]
-  idx = jnp.arange(n, dtype=jnp.int32)[:, None]
-  running = jax.lax.cumsum(mass, axis=0) + offset
-  k = jnp.sum((running <= target).astype(jnp.int32), axis=0)
-  last = jnp.max(jnp.where(mass > 0, idx, -1), axis=0)
+  n = mass.shape[1]
+  offset = jnp.broadcast_to(offset, target.shape)
+  idx = jnp.arange(n, dtype=jnp.int32)[None, :]
+  running = jax.lax.cumsum(mass, axis=1) + offset[:, None]
+  k = jnp.sum((running <= target[:, None]).astype(jnp.int32), axis=1)
+  last = jnp.max(jnp.where(mass > 0, idx, -1), axis=1)
   k = jnp.clip(jnp.minimum(k, last), 0, n - 1)
-  prefix = offset + jnp.sum(jnp.where(idx < k, mass, 0.0), axis=0)
+  prefix = offset + jnp.sum(jnp.where(idx < k[:, None], mass, 0.0), axis=1)
   return k, prefix
 
 
@@ -129,22 +134,22 @@ def _decide_blocks(bmax, bsum, u, greedy, *, axis: str, shard, num_local: int):
 
   Every device computes the same values from the same gathered statistics:
   the arithmetic of ``select_pass`` over the blocks in vocabulary order.
+  bmax, bsum: float32 [B, NB_loc], this shard's block statistics.
 
   Returns:
     (owner int32 [B], local block int32 [B] (meaningful on the owner),
      greedy bool [B], m_safe, prefix, target float32 [B]).
   """
-  stats = jax.lax.all_gather(jnp.stack([bmax, bsum]), axis, axis=1,
-                             tiled=True)                  # [2, NB, B]
+  stats = jax.lax.all_gather(jnp.stack([bmax, bsum]), axis, axis=2,
+                             tiled=True)                  # [2, B, NB]
   gmax, gsum = stats[0], stats[1]
-  num_blocks = gmax.shape[0]
-  m = jnp.max(gmax, axis=0)
+  m = jnp.max(gmax, axis=1)
   finite = _finite(m)
   greedy = (greedy != 0) | ~finite
-  first_max = _first_index(gmax == m, num_blocks)
+  first_max = _first_index(gmax == m[:, None])
   m_safe = jnp.where(finite, m, 0.0)
-  mass = gsum * jnp.exp(gmax - m_safe)
-  target = u * jnp.max(jax.lax.cumsum(mass, axis=0), axis=0)
+  mass = gsum * jnp.exp(gmax - m_safe[:, None])
+  target = u * jnp.max(jax.lax.cumsum(mass, axis=1), axis=1)
   k, prefix = _walk(mass, target, 0.0)
   block = jnp.where(greedy, first_max, k)
   return (block // num_local, block - shard * num_local, greedy, m_safe,
@@ -158,29 +163,28 @@ def _decide_shards(bmax, bsum, u, greedy, *, axis: str, shard, num_local: int):
   owner's own block statistics, each device computing it for its own shard.
   """
   del num_local
-  local_max = jnp.max(bmax, axis=0)                             # [B]
+  local_max = jnp.max(bmax, axis=1)                             # [B]
   local_safe = jnp.where(_finite(local_max), local_max, 0.0)
-  local_sum = jnp.sum(bsum * jnp.exp(bmax - local_safe), axis=0)
+  local_sum = jnp.sum(bsum * jnp.exp(bmax - local_safe[:, None]), axis=1)
   stats = jax.lax.all_gather(jnp.stack([local_max, local_sum]), axis,
-                             axis=1)                            # [2, n, B]
+                             axis=2)                            # [2, B, n]
   smax, ssum = stats[0], stats[1]
-  num_shards = smax.shape[0]
-  m = jnp.max(smax, axis=0)
+  m = jnp.max(smax, axis=1)
   finite = _finite(m)
   greedy = (greedy != 0) | ~finite
   m_safe = jnp.where(finite, m, 0.0)
   # A shard with a +inf or all -inf max only matters when m is not finite,
   # where the draw is greedy and its (inf or nan) mass is not read.
-  mass = ssum * jnp.exp(smax - m_safe)
-  target = u * jnp.max(jax.lax.cumsum(mass, axis=0), axis=0)
+  mass = ssum * jnp.exp(smax - m_safe[:, None])
+  target = u * jnp.max(jax.lax.cumsum(mass, axis=1), axis=1)
   owner_sampled, shard_prefix = _walk(mass, target, 0.0)
-  owner_greedy = _first_index(smax == m, num_shards)
+  owner_greedy = _first_index(smax == m[:, None])
   owner = jnp.where(greedy, owner_greedy, owner_sampled)
   # The local walk, right on the owner (its shard_prefix is the mass of the
   # shards before it), ignored elsewhere.
-  block_mass = bsum * jnp.exp(bmax - m_safe)
+  block_mass = bsum * jnp.exp(bmax - m_safe[:, None])
   k, prefix = _walk(block_mass, target, shard_prefix)
-  first_max = _first_index(bmax == m, bmax.shape[0])
+  first_max = _first_index(bmax == m[:, None])
   block = jnp.where(greedy, first_max, k)
   return owner, block, greedy, m_safe, prefix, target
 
@@ -192,10 +196,10 @@ def _pick(cache, rows, barg, block, greedy, m_safe, prefix, target, scale, *,
   The select pass's level 2: read block ``block`` of each request's cache row,
   the first column whose running mass (plus ``prefix``) exceeds ``target``.
   """
-  num_local, batch = barg.shape
+  batch, num_local = barg.shape
   b = jnp.arange(batch)
   block = jnp.clip(block, 0, num_local - 1)
-  block_arg = barg[block, b]
+  block_arg = barg[b, block]
   v0 = block * block_v
   col = jnp.arange(block_v, dtype=jnp.int32)
   cols = v0[:, None] + col[None, :]                             # [B, block_v]
@@ -259,7 +263,7 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
         proj_l2_rows=config.proj_l2_rows,
         num_warps=config.num_warps, num_stages=config.num_stages,
         interpret=interpret)
-    bmax, bsum, barg = (x.T for x in stats)  # [NB, B], as the exchange reads
+    bmax, bsum, barg = stats  # [B, NB_loc], request-major
     owner, block, is_greedy, m_safe, prefix, target = decide(
         bmax, bsum, u[:, s], greedy[:, s], axis=axis, shard=shard,
         num_local=num_local)

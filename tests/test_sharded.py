@@ -98,8 +98,8 @@ def test_exchange_is_statistics_and_tokens(results, name):
   B, n = worker.B, m["n"]
   # (max, sum) per request and block ("blocks") or per request ("shards").
   blocks = -(-m["V"] // n // worker.CONFIG.block_v) if m["exchange"] == "blocks" else 1
-  gather = ("all_gather", f"tensor<2x{blocks}x{B}xf32>",
-            f"tensor<2x{n * blocks}x{B}xf32>")
+  gather = ("all_gather", f"tensor<2x{B}x{blocks}xf32>",
+            f"tensor<2x{B}x{n * blocks}xf32>")
   psum = ("all_reduce", f"tensor<{B}xi32>", f"tensor<{B}xi32>")
   # Step 0 and the scanned step: one gather and one psum each, nothing else.
   assert sorted(map(tuple, m["collectives"])) == sorted([gather, psum] * 2)
