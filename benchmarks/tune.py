@@ -34,7 +34,7 @@ from jax_markov.kernels import tuning  # noqa: E402
 
 def candidates(batch: int, grid: str, shape: common.Shape):
   """Configurations to try at a batch size ("full", "quick", "refine", "fma",
-  "tail", "wide", "keep").
+  "tail", "wide", "keep", "persistent").
 
   "refine" varies what "full" holds fixed (rank chunk, pipeline depth) over
   hand-picked tiles near the table's entries.
@@ -66,6 +66,16 @@ def candidates(batch: int, grid: str, shape: common.Shape):
                               (64, 128, 128, 4, 2), (64, 128, 64, 8, 3),
                               (256, 64, 32, 8, 3)):
       yield jm.KernelConfig("fused", min(bb, max(16, batch)), bv, bk, w, st)
+    return
+  if grid == "persistent":
+    # The whole draft in one launch (kernels/draft_pass.py), one program a
+    # multiprocessor split over the requests, beside the table's choice.
+    yield tuning.choose(None, batch, shape.V, shape.R, interpret=False)
+    for bv, bk, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
+                          (256, 64, 8, 4), (256, 128, 8, 2), (512, 64, 16, 3),
+                          (512, 32, 8, 4), (128, 128, 4, 2)):
+      yield jm.KernelConfig("fused", 1, bv, bk, w, st, bias_dot="fma",
+                            select="persistent")
     return
   if grid == "keep":
     # The table's tile with the first rows of proj kept in L2 across the
@@ -121,7 +131,8 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=60)
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--grid", choices=("full", "quick", "refine", "fma", "tail",
-                                       "wide", "keep"), default="full")
+                                       "wide", "keep", "persistent"),
+                 default="full")
   p.add_argument("--only-default", action="store_true",
                  help="time the table's choice only (e.g. to compare XLA_FLAGS)")
   p.add_argument("--inspect", action="store_true")

@@ -111,3 +111,26 @@ def test_proj_l2_rows_changes_nothing_at_deepseek_v4_shape(tile):
   np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
   np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
   check_sample_draft(drafts[1], *args)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_persistent_draft_matches_block_pass_at_deepseek_v4_shape(B):
+  """The persistent draft's programs (132 // B a request on an H200) meet at
+  a barrier each step and then read the block statistics and cached logits
+  the others wrote: over many draws every token and logit must equal the
+  step-by-step kernels' (the same per-block arithmetic); a stale read at the
+  barrier would show as a different token."""
+  base, anchor, head, _, _, pos = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"],
+                                               jnp.bfloat16, seed=32, head_scale=0.1)
+  rng = np.random.default_rng(32)
+  configs = [jm.KernelConfig("fused", 1, 128, 64, 4, 3, bias_dot="fma", select=s)
+             for s in ("pass", "persistent")]
+  for _ in range(25):
+    anchor = jnp.asarray(rng.integers(0, DSV4["V"], B), jnp.int32)
+    t = jnp.asarray(rng.choice([0.0, 0.6, 1.0, 1.5], B), jnp.float32)
+    seeds = rng.integers(-2**63, 2**63 - 1, B, dtype=np.int64)
+    a, b = (jm.sample_draft(base, anchor, head, t, seeds, pos, config=c,
+                            check_values=False) for c in configs)
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+    np.testing.assert_array_equal(a.logits, b.logits)
+  check_sample_draft(b, base, anchor, head, t, seeds, pos)

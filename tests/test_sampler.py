@@ -356,4 +356,53 @@ def test_tail_select_edge_rows():
   assert drafts[1].tokens[2, 1] == 37
 
 
+@pytest.mark.parametrize("block_v,block_k,serpentine",
+                         [(64, 32, True), (128, 16, False), (16, 64, True)])
+def test_persistent_draft_agrees(block_v, block_k, serpentine):
+  """select='persistent' (the whole draft in one launch; programs meet at a
+  barrier each step and all draw): the same tokens and cache as the block
+  pass with the select pass, bit for bit (the same per-block arithmetic and
+  the same draw), which the reference checks; both layouts, T 0 and > 0. On a
+  GPU the programs per request are the multiprocessors split over B."""
+  args = make_problem(5, 3, 300, 80, seed=30,
+                      temperature=np.array([1.0, 0.0, 1.0, 0.7, 0.0]))
+  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
+  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
+      "fused", 1, block_v, block_k, bias_dot="fma", select=select,
+      serpentine=serpentine)) for select in ("pass", "persistent")]
+  np.testing.assert_array_equal(drafts[1].tokens, drafts[0].tokens)
+  np.testing.assert_array_equal(drafts[1].logits, drafts[0].logits)
+  np.testing.assert_array_equal(drafts[1].tokens, ref_tokens)
+  np.testing.assert_allclose(drafts[1].logits, ref_logits, rtol=2e-6, atol=2e-5)
+  check_sample_draft(drafts[1], *args)
+  _check_changing_rows(31, jm.KernelConfig("fused", 1, block_v, block_k,
+                                           bias_dot="fma", select="persistent",
+                                           serpentine=serpentine))
+
+
+def test_persistent_draft_edge_rows():
+  """NaN, all -inf and +inf rows draw as the select pass draws them, and one
+  step (S = 1) is one barrier."""
+  base, anchor, head, t, seeds, pos = make_problem(4, 2, 200, 8, seed=26)
+  base = np.asarray(base).copy()
+  base[0, 0, :] = np.nan
+  base[1, :, :] = -np.inf
+  base[2, 1, 37] = np.inf
+  base[3, 0, ::3] = -np.inf
+  args = (jnp.asarray(base), anchor, head, t, seeds, pos)
+  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
+      "fused", 1, 64, 16, bias_dot="fma", select=select))
+            for select in ("pass", "persistent")]
+  np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
+  np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
+  np.testing.assert_array_equal(drafts[1].tokens[1], [0, 0])
+  assert drafts[1].tokens[2, 1] == 37
+  one = (args[0][:, :1], anchor, head, t, seeds, pos[:, :1])
+  a, b = (jm.sample_draft(*one, config=jm.KernelConfig(
+      "fused", 1, 64, 16, bias_dot="fma", select=select))
+          for select in ("pass", "persistent"))
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.logits, b.logits)
+
+
 METHODS_AND_TILES = [("fused", 16), ("reference", 1)]

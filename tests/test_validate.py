@@ -85,6 +85,38 @@ def test_bad_method_and_config(args):
     jm.KernelConfig("fused", 16, 128, proj_l2_rows=-1)
   with pytest.raises(ValueError, match="needs the fused method"):
     jm.KernelConfig("reference", 1, 128, proj_l2_rows=1024)
+  # The persistent draft: one request a program, the bias on the CUDA cores.
+  for kw in (dict(block_b=16), dict(block_b=16, bias_dot="mma"),
+             dict(proj_l2_rows=128)):
+    fields = dict(block_b=1, block_v=128, bias_dot="fma", select="persistent")
+    with pytest.raises(ValueError, match="select='persistent' needs"):
+      jm.KernelConfig("fused", **{**fields, **kw})
+  with pytest.raises(ValueError, match="select='persistent' needs"):
+    jm.KernelConfig("reference", 1, 128, bias_dot="fma", select="persistent")
+  with pytest.raises(ValueError, match="programs must be >= 0"):
+    jm.KernelConfig("fused", 1, 128, bias_dot="fma", programs=4)
+  with pytest.raises(ValueError, match="programs must be >= 0"):
+    jm.KernelConfig("fused", 1, 128, bias_dot="fma", select="persistent",
+                    programs=-1)
+
+
+def test_persistent_draft_refuses_programs_that_could_wait_forever(args):
+  """The barrier needs every program of a request resident: more than one in
+  the interpreter (programs run in turn), or more than the multiprocessors,
+  would wait forever, so they are refused before anything runs."""
+  from jax_markov.kernels.draft_pass import check_programs
+  config = jm.KernelConfig("fused", 1, 64, 16, bias_dot="fma",
+                           select="persistent", programs=2)
+  with pytest.raises(ValueError, match="needs programs=1"):
+    jm.sample_draft(*args, config=config, interpret=True)
+  with pytest.raises(ValueError, match="multiprocessors"):
+    check_programs(4, 40, interpret=False, num_sms=132)
+  with pytest.raises(ValueError, match="multiprocessors"):
+    check_programs(1, 2, interpret=False, num_sms=None)
+  with pytest.raises(ValueError, match="programs must be >= 1"):
+    check_programs(1, 0, interpret=False, num_sms=132)
+  check_programs(2, 66, interpret=False, num_sms=132)  # one a multiprocessor
+  check_programs(512, 1, interpret=False, num_sms=132)  # each waits for itself
 
 
 def test_block_pass_checks_its_options():
@@ -102,6 +134,9 @@ def test_block_pass_checks_its_options():
   with pytest.raises(ValueError, match="needs the fused method"):
     block_pass(base, (jnp.zeros((2, 64), jnp.float32),), step, params,
                block_b=1, proj_l2_rows=32, **kw)
+  with pytest.raises(ValueError, match="runs the whole draft"):
+    block_pass(base, head, step, params, block_b=1, block_k=16,
+               bias_dot="fma", select="persistent", **kw)
 
 
 def test_block_pass_tail_needs_counters():

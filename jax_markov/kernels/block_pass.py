@@ -34,7 +34,7 @@ from jax_markov.kernels.select_pass import draw_token
 
 K_LOOPS = ("fori", "static")
 BIAS_DOTS = ("mma", "fma")
-SELECTS = ("pass", "tail")
+SELECTS = ("pass", "tail", "persistent")
 
 
 def check_options(*, fused: bool, block_b: int, block_k: int, k_loop: str,
@@ -54,6 +54,15 @@ def check_options(*, fused: bool, block_b: int, block_k: int, k_loop: str,
     # by the thread that also counts, so the count's release covers them.
     raise ValueError("select='tail' needs the fused method with block_b=1, "
                      f"got fused={fused}, block_b={block_b}")
+  if select == "persistent" and not (fused and block_b == 1
+                                     and bias_dot == "fma"
+                                     and proj_l2_rows == 0):
+    # kernels/draft_pass.py: one request a program, the bias on the CUDA
+    # cores, no cache hints.
+    raise ValueError("select='persistent' needs the fused method with "
+                     "block_b=1, bias_dot='fma' and proj_l2_rows=0, got "
+                     f"fused={fused}, block_b={block_b}, bias_dot={bias_dot!r}, "
+                     f"proj_l2_rows={proj_l2_rows}")
   if proj_l2_rows < 0 or (proj_l2_rows and not fused):
     raise ValueError("proj_l2_rows must be >= 0 and needs the fused method, "
                      f"got {proj_l2_rows} (fused={fused})")
@@ -302,6 +311,9 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
                      f"tokens), got {len(bias_or_head)} arrays")
   check_options(fused=fused, block_b=block_b, block_k=block_k, k_loop=k_loop,
                 bias_dot=bias_dot, select=select, proj_l2_rows=proj_l2_rows)
+  if select == "persistent":
+    raise ValueError("select='persistent' runs the whole draft as "
+                     "draft_pass.draft_pass, not step by step")
   tail = select == "tail"
   has_tokens = fused and bias_or_head[3] is not None
   if fused and not has_tokens:

@@ -53,7 +53,12 @@ class KernelConfig:
       a few requests).
     select: "pass" draws in a second launch a step (the select pass); "tail"
       (fused, block_b = 1) draws in the block pass's program that finishes
-      the step last, one launch a step.
+      the step last, one launch a step; "persistent" (fused, block_b = 1,
+      bias_dot="fma") runs the whole draft in one launch of persistent
+      programs that meet at a barrier each step and all draw
+      (kernels/draft_pass.py).
+    programs: with select="persistent", programs per request; 0: one per
+      multiprocessor split over the requests (1 in the interpreter).
     proj_l2_rows: fused only: the first proj_l2_rows rows of proj stay in L2
       across the steps (an evict_last hint on their loads, evict_first on
       every other stream); 0: no cache hints.
@@ -71,6 +76,7 @@ class KernelConfig:
   bias_dot: str = "mma"
   select: str = "pass"
   proj_l2_rows: int = 0
+  programs: int = 0
 
   def __post_init__(self):
     if self.method not in METHODS:
@@ -83,6 +89,9 @@ class KernelConfig:
         fused=self.method == "fused", block_b=self.block_b,
         block_k=self.block_k, k_loop=self.k_loop, bias_dot=self.bias_dot,
         select=self.select, proj_l2_rows=self.proj_l2_rows)
+    if self.programs < 0 or (self.programs and self.select != "persistent"):
+      raise ValueError("programs must be >= 0 and is for select='persistent', "
+                       f"got {self.programs} with select={self.select!r}")
 
 
 def _next_pow2(n: int) -> int:

@@ -1,0 +1,248 @@
+"""The draft pass: all S steps of a draft in one launch (persistent programs).
+
+Grid (requests, P): the P programs of request b split its vocabulary blocks
+among them (program p takes blocks p, p + P, p + 2P, ...) and keep them for
+the whole draft. Each step, every program
+
+1. forms the pre-temperature logits ``x = base + proj @ embed[prev]`` of its
+   blocks (the bias on the CUDA cores, one request a program, as the block
+   pass with ``bias_dot="fma"``), stores x to the cache and keeps the blocks'
+   max, sum of exp and first-max index, as the block pass does;
+2. counts itself done on its request's counter and waits until all P
+   programs of the request have counted for this step (a barrier through an
+   acq_rel atomic at GPU scope);
+3. draws the step's token from the block statistics and one block of the
+   cache, with the select pass's arithmetic (:func:`select_pass.draw_token`).
+   Every program draws, from the same data with the same arithmetic, so all P
+   hold the same token and none waits for another to publish it; program 0
+   stores it.
+
+So a draft is one launch instead of S or 2S, with no gap between the steps.
+The barrier needs all P programs of a request resident at once: the wrapper
+allows P = 1 (a program only waits for itself) or B * P no larger than the
+number of multiprocessors (one program each). The interpreter runs programs
+one after another, so there only P = 1 can run.
+
+The statistics are kept per draw ([B * S, NB]): a program that has started the
+next step never overwrites what a slower one is still reading.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_markov.kernels.select_pass import draw_token
+
+
+def multiprocessors() -> int | None:
+  """Multiprocessors of the first GPU, or None without a GPU (or the count)."""
+  try:
+    devices = jax.devices("gpu")
+  except RuntimeError:
+    return None
+  return getattr(devices[0], "core_count", None) if devices else None
+
+
+def check_programs(batch: int, programs: int, *, interpret: bool,
+                   num_sms: int | None) -> None:
+  """Raises ValueError where the barrier could wait for a program never run."""
+  if programs < 1:
+    raise ValueError(f"programs must be >= 1, got {programs}")
+  if programs == 1:
+    return
+  if interpret:
+    raise ValueError("the draft pass in the interpreter needs programs=1 "
+                     "(programs run one after another: the first would wait "
+                     f"for the others forever), got {programs}")
+  if num_sms is None or batch * programs > num_sms:
+    raise ValueError(
+        f"the draft pass needs batch * programs <= multiprocessors so every "
+        f"program is resident at its barrier; got {batch} * {programs} with "
+        f"{num_sms} multiprocessors")
+
+
+def _draft_kernel(*refs, dense: bool, has_cache_in: bool, steps: int,
+                  vocab: int, rank: int, block_v: int, block_k: int,
+                  programs: int, serpentine: bool):
+  base_ref, embed_ref, proj_ref, anchors_ref, params_ref, *refs = refs
+  cache_rows_ref = None if dense else refs.pop(0)
+  if has_cache_in:
+    refs.pop(0)  # aliased with cache_ref
+  refs.pop(0)  # the counters, aliased with counter_ref
+  cache_ref, bmax_ref, bsum_ref, barg_ref, tokens_ref, counter_ref = refs
+
+  b = pl.program_id(0)
+  p = pl.program_id(1)
+  num_blocks = pl.cdiv(vocab, block_v)
+  per_program = pl.cdiv(num_blocks, programs)
+  num_chunks = pl.cdiv(rank, block_k)
+  col = jnp.arange(block_v)
+
+  def one_block(t, carry):
+    s, d, prev_rows, cache_row, write, scale = carry
+    if serpentine:
+      # Odd steps take this program's blocks in reverse, so a step starts on
+      # the proj blocks the step before read last (still in L2).
+      t = jnp.where(s % 2 == 1, per_program - 1 - t, t)
+    j = p + t * programs
+    v0 = j * block_v
+    cols = (v0 + col)[None, :]                                  # [1, block_v]
+    v_mask = cols < vocab          # also all False for j >= num_blocks
+    draws = jnp.full((1, 1), d)
+    x = plgpu.load(base_ref.at[draws, cols], mask=v_mask,
+                   other=0).astype(jnp.float32)
+    v_rows = (v0 + col)[:, None]                                # [block_v, 1]
+
+    def rank_chunk(c, acc):
+      # The bias on the CUDA cores, as the block pass's fma path with one
+      # request a program: the same products summed in the same chunks.
+      k_cols = (c * block_k + jnp.arange(block_k))[None, :]
+      emb = plgpu.load(embed_ref.at[prev_rows, k_cols], mask=k_cols < rank,
+                       other=0)
+      proj = plgpu.load(proj_ref.at[v_rows, k_cols],
+                        mask=(v_rows < vocab) & (k_cols < rank), other=0)
+      prod = proj.astype(jnp.float32) * emb.astype(jnp.float32)
+      return acc + jnp.sum(prod, axis=1)[None, :]
+
+    # Triton software-pipelines this loop: the next proj chunk is in flight
+    # while this one is summed.
+    x = jax.lax.fori_loop(0, num_chunks, rank_chunk, x)
+    # The cache holds pre-temperature logits. A row not written points past
+    # the cache (padding draws write nothing).
+    rows = jnp.full((1, 1), jnp.where(write, cache_row, cache_ref.shape[0]))
+    plgpu.store(cache_ref.at[rows, cols], x, mask=v_mask & write)
+    y = jnp.where(x == x, x, -jnp.inf) * scale  # NaN -> -inf
+    y = jnp.where(v_mask, y, -jnp.inf)
+    y_max = jnp.max(y, axis=1)
+    y_arg = jnp.argmax(y, axis=1).astype(jnp.int32) + v0
+    finite_max = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max, 0.0)
+    y_sum = jnp.sum(jnp.exp(y - finite_max[:, None]), axis=1)
+    in_range = jnp.full((1,), j < num_blocks)
+    stat_rows = jnp.full((1,), d)
+    # Stored by the thread that counts below, after the reductions' barrier
+    # that also follows every thread's cache stores: the count releases both.
+    plgpu.store(bmax_ref.at[stat_rows, j], y_max, mask=in_range)
+    plgpu.store(bsum_ref.at[stat_rows, j], y_sum, mask=in_range)
+    plgpu.store(barg_ref.at[stat_rows, j], y_arg, mask=in_range)
+    return carry
+
+  def one_step(s, prev):
+    d = b * steps + s  # draw (b, s): flat index b * S + s
+    # A token outside the table is clamped, as XLA's gather clamps.
+    prev = jnp.clip(prev, 0, embed_ref.shape[0] - 1)
+    if dense:
+      cache_row, write = d, True
+    else:
+      cache_row = cache_rows_ref[d]
+      write = cache_row >= 0
+    scale = params_ref[0, d]
+    jax.lax.fori_loop(
+        0, per_program, one_block,
+        (s, d, jnp.full((1, 1), prev), cache_row, jnp.asarray(write), scale))
+
+    # The barrier: count this program done (acq_rel at GPU scope releases its
+    # stores), then wait until the request's P programs have all counted for
+    # this step; the acquire makes their stores visible here. The counter
+    # only grows (P per step), so a program already in the next step cannot
+    # make a slower one miss this step's count.
+    seen = plgpu.atomic_add(counter_ref, b, jnp.ones((), jnp.int32)) + 1
+    target = (s + 1) * programs
+    zero = seen * 0  # traced: a constant would be a const of the loop body
+    jax.lax.while_loop(lambda c: c < target,
+                       lambda c: plgpu.atomic_add(counter_ref, b, zero), seen)
+
+    token = draw_token(
+        bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref, cache_rows_ref,
+        d, d, num_blocks=num_blocks,
+        blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
+        vocab=vocab)
+
+    @pl.when(p == 0)
+    def _store_token():
+      tokens_ref[d] = token
+
+    return token
+
+  jax.lax.fori_loop(0, steps, one_step, anchors_ref[b])
+
+
+def draft_pass(base: jax.Array, embed: jax.Array, proj: jax.Array,
+               anchors: jax.Array, params: jax.Array,
+               cache_rows: jax.Array | None = None,
+               cache: jax.Array | None = None, *, num_steps: int,
+               num_cache_rows: int, programs: int, block_v: int,
+               block_k: int = 64, serpentine: bool = True,
+               num_warps: int = 4, num_stages: int = 3,
+               interpret: bool = False):
+  """Runs all S steps of a draft in one launch.
+
+  Args:
+    base: [B * S, V] base logits (bf16, fp16 or fp32), request-major rows:
+      draw (b, s) is row b * S + s.
+    embed: [V_in, R] and proj: [V, R], the Markov head (one dtype).
+    anchors: int32 [B], the token before each request's first draw.
+    params: float32 [3, B * S], per draw: 1 / T (1 where greedy), 1 where
+      the draw is the argmax (else 0), and the uniform u.
+    cache_rows: int32 [B * S], the cache row each draw writes, -1 for none
+      (padding, which must be greedy); None for the dense layout (draw d
+      writes row d).
+    cache: float32 [num_cache_rows, V] to update in place, or None to return a
+      new one (dense: every row is written).
+    num_steps: S (static).
+    num_cache_rows: rows of the cache (static).
+    programs: P, programs per request (see :func:`check_programs`).
+    block_v: vocabulary columns per block, a power of two.
+    block_k: rank columns summed per loop iteration, a power of two.
+    serpentine: odd steps take each program's blocks in reverse order (the
+      results do not depend on it).
+    num_warps, num_stages: Triton launch parameters.
+    interpret: run in the Pallas interpreter (CPU; programs must be 1).
+
+  Returns:
+    (cache float32 [num_cache_rows, V], tokens int32 [B * S]).
+  """
+  steps = num_steps
+  batch, vocab = base.shape[0] // steps, base.shape[1]
+  rank = proj.shape[1]
+  check_programs(batch, programs, interpret=interpret,
+                 num_sms=None if interpret else multiprocessors())
+  num_blocks = pl.cdiv(vocab, block_v)
+  dense = cache_rows is None
+  counters = jnp.zeros((batch,), jnp.int32)
+  inputs = (base, embed, proj, anchors, params)
+  if not dense:
+    inputs = (*inputs, cache_rows)
+  aliases = {}
+  if cache is not None:
+    aliases[len(inputs)] = 0
+    inputs = (*inputs, cache)
+  aliases[len(inputs)] = 5
+  inputs = (*inputs, counters)
+  kernel = functools.partial(
+      _draft_kernel, dense=dense, has_cache_in=cache is not None, steps=steps,
+      vocab=vocab, rank=rank, block_v=block_v, block_k=block_k,
+      programs=programs, serpentine=serpentine)
+  out_shape = (
+      jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
+      jax.ShapeDtypeStruct((batch * steps, num_blocks), jnp.float32),
+      jax.ShapeDtypeStruct((batch * steps, num_blocks), jnp.float32),
+      jax.ShapeDtypeStruct((batch * steps, num_blocks), jnp.int32),
+      jax.ShapeDtypeStruct((batch * steps,), jnp.int32),
+      jax.ShapeDtypeStruct((batch,), jnp.int32),
+  )
+  cache, _, _, _, tokens, _ = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid=(batch, programs),
+      input_output_aliases=aliases,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
+                                           num_stages=num_stages),
+      interpret=interpret,
+      name="markov_draft_pass",
+  )(*inputs)
+  return cache, tokens
