@@ -74,17 +74,14 @@ def test_methods_agree_at_deepseek_v4_shape():
   assert (np.asarray(ref[0]) == np.asarray(a.tokens)).mean() > 0.9
 
 
-@pytest.mark.parametrize("B", [1, 4])
-def test_tail_select_matches_select_pass_at_deepseek_v4_shape(B):
-  """The tail select reads the block statistics and cached logits that the
-  other programs of its step wrote (ordered by the count's acq_rel atomic):
-  over many draws it must draw exactly what the separate select pass draws
-  from the same logits; a stale read would show as a different token."""
+def _assert_selects_draw_alike(B, seed, selects):
+  """25 drafts at the DeepSeek-V4 shape with the same tile and each select:
+  every token and logit equal (the same per-block arithmetic and draw)."""
   base, anchor, head, _, _, pos = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"],
-                                               jnp.bfloat16, seed=27, head_scale=0.1)
-  rng = np.random.default_rng(27)
+                                               jnp.bfloat16, seed=seed, head_scale=0.1)
+  rng = np.random.default_rng(seed)
   configs = [jm.KernelConfig("fused", 1, 128, 64, 4, 3, bias_dot="fma", select=s)
-             for s in ("pass", "tail")]
+             for s in selects]
   for _ in range(25):
     anchor = jnp.asarray(rng.integers(0, DSV4["V"], B), jnp.int32)
     t = jnp.asarray(rng.choice([0.0, 0.6, 1.0, 1.5], B), jnp.float32)
@@ -94,6 +91,15 @@ def test_tail_select_matches_select_pass_at_deepseek_v4_shape(B):
     np.testing.assert_array_equal(a.tokens, b.tokens)
     np.testing.assert_array_equal(a.logits, b.logits)
   check_sample_draft(b, base, anchor, head, t, seeds, pos)
+
+
+@pytest.mark.parametrize("B", [1, 4])
+def test_tail_select_matches_select_pass_at_deepseek_v4_shape(B):
+  """The tail select reads the block statistics and cached logits that the
+  other programs of its step wrote (ordered by the count's acq_rel atomic):
+  over many draws it must draw exactly what the separate select pass draws
+  from the same logits; a stale read would show as a different token."""
+  _assert_selects_draw_alike(B, 27, ("pass", "tail"))
 
 
 @pytest.mark.parametrize("tile", [(1, 128, 64, "fma", "tail"),
@@ -118,19 +124,6 @@ def test_persistent_draft_matches_block_pass_at_deepseek_v4_shape(B):
   """The persistent draft's programs (132 // B a request on an H200) meet at
   a barrier each step and then read the block statistics and cached logits
   the others wrote: over many draws every token and logit must equal the
-  step-by-step kernels' (the same per-block arithmetic); a stale read at the
-  barrier would show as a different token."""
-  base, anchor, head, _, _, pos = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"],
-                                               jnp.bfloat16, seed=32, head_scale=0.1)
-  rng = np.random.default_rng(32)
-  configs = [jm.KernelConfig("fused", 1, 128, 64, 4, 3, bias_dot="fma", select=s)
-             for s in ("pass", "persistent")]
-  for _ in range(25):
-    anchor = jnp.asarray(rng.integers(0, DSV4["V"], B), jnp.int32)
-    t = jnp.asarray(rng.choice([0.0, 0.6, 1.0, 1.5], B), jnp.float32)
-    seeds = rng.integers(-2**63, 2**63 - 1, B, dtype=np.int64)
-    a, b = (jm.sample_draft(base, anchor, head, t, seeds, pos, config=c,
-                            check_values=False) for c in configs)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.logits, b.logits)
-  check_sample_draft(b, base, anchor, head, t, seeds, pos)
+  step-by-step kernels'; a stale read at the barrier would show as a
+  different token."""
+  _assert_selects_draw_alike(B, 32, ("pass", "persistent"))

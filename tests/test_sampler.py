@@ -338,8 +338,10 @@ def test_tail_select_agrees(block_v, k_loop, unroll):
   _check_changing_rows(25, config)
 
 
-def test_tail_select_edge_rows():
-  """NaN, all -inf and +inf rows draw as the select pass draws them."""
+@pytest.mark.parametrize("select", ["tail", "persistent"])
+def test_one_launch_selects_edge_rows(select):
+  """NaN, all -inf and +inf rows draw as the select pass draws them with the
+  tail select and the persistent draft; and one step (S = 1)."""
   base, anchor, head, t, seeds, pos = make_problem(4, 2, 200, 8, seed=26)
   base = np.asarray(base).copy()
   base[0, 0, :] = np.nan
@@ -347,12 +349,13 @@ def test_tail_select_edge_rows():
   base[2, 1, 37] = np.inf
   base[3, 0, ::3] = -np.inf
   args = (jnp.asarray(base), anchor, head, t, seeds, pos)
-  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
-      "fused", 1, 64, 16, bias_dot="fma", select=select))
-            for select in ("pass", "tail")]
-  np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
-  np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
-  np.testing.assert_array_equal(drafts[1].tokens[1], [0, 0])
+  one_step = (args[0][:, :1], anchor, head, t, seeds, pos[:, :1])
+  for problem in (one_step, args):
+    drafts = [jm.sample_draft(*problem, config=jm.KernelConfig(
+        "fused", 1, 64, 16, bias_dot="fma", select=s)) for s in ("pass", select)]
+    np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
+    np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
+  np.testing.assert_array_equal(drafts[1].tokens[1], [0, 0])  # of args
   assert drafts[1].tokens[2, 1] == 37
 
 
@@ -378,31 +381,6 @@ def test_persistent_draft_agrees(block_v, block_k, serpentine):
   _check_changing_rows(31, jm.KernelConfig("fused", 1, block_v, block_k,
                                            bias_dot="fma", select="persistent",
                                            serpentine=serpentine))
-
-
-def test_persistent_draft_edge_rows():
-  """NaN, all -inf and +inf rows draw as the select pass draws them, and one
-  step (S = 1) is one barrier."""
-  base, anchor, head, t, seeds, pos = make_problem(4, 2, 200, 8, seed=26)
-  base = np.asarray(base).copy()
-  base[0, 0, :] = np.nan
-  base[1, :, :] = -np.inf
-  base[2, 1, 37] = np.inf
-  base[3, 0, ::3] = -np.inf
-  args = (jnp.asarray(base), anchor, head, t, seeds, pos)
-  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
-      "fused", 1, 64, 16, bias_dot="fma", select=select))
-            for select in ("pass", "persistent")]
-  np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
-  np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
-  np.testing.assert_array_equal(drafts[1].tokens[1], [0, 0])
-  assert drafts[1].tokens[2, 1] == 37
-  one = (args[0][:, :1], anchor, head, t, seeds, pos[:, :1])
-  a, b = (jm.sample_draft(*one, config=jm.KernelConfig(
-      "fused", 1, 64, 16, bias_dot="fma", select=select))
-          for select in ("pass", "persistent"))
-  np.testing.assert_array_equal(a.tokens, b.tokens)
-  np.testing.assert_array_equal(a.logits, b.logits)
 
 
 METHODS_AND_TILES = [("fused", 16), ("reference", 1)]
