@@ -83,67 +83,73 @@ def _draft_kernel(*refs, dense: bool, has_cache_in: bool, steps: int,
   num_chunks = pl.cdiv(rank, block_k)
   col = jnp.arange(block_v)
 
-  def one_block(t, carry):
-    s, d, prev_rows, cache_row, write, scale = carry
-    if serpentine:
-      # Odd steps take this program's blocks in reverse, so a step starts on
-      # the proj blocks the step before read last (still in L2).
-      t = jnp.where(s % 2 == 1, per_program - 1 - t, t)
-    j = p + t * programs
-    v0 = j * block_v
-    cols = (v0 + col)[None, :]                                  # [1, block_v]
-    v_mask = cols < vocab          # also all False for j >= num_blocks
-    draws = jnp.full((1, 1), d)
-    x = plgpu.load(base_ref.at[draws, cols], mask=v_mask,
-                   other=0).astype(jnp.float32)
-    v_rows = (v0 + col)[:, None]                                # [block_v, 1]
-
-    def rank_chunk(c, acc):
-      # The bias on the CUDA cores, as the block pass's fma path with one
-      # request a program: the same products summed in the same chunks.
-      k_cols = (c * block_k + jnp.arange(block_k))[None, :]
-      emb = plgpu.load(embed_ref.at[prev_rows, k_cols], mask=k_cols < rank,
-                       other=0)
-      proj = plgpu.load(proj_ref.at[v_rows, k_cols],
-                        mask=(v_rows < vocab) & (k_cols < rank), other=0)
-      prod = proj.astype(jnp.float32) * emb.astype(jnp.float32)
-      return acc + jnp.sum(prod, axis=1)[None, :]
-
-    # Triton software-pipelines this loop: the next proj chunk is in flight
-    # while this one is summed.
-    x = jax.lax.fori_loop(0, num_chunks, rank_chunk, x)
-    # The cache holds pre-temperature logits. A row not written points past
-    # the cache (padding draws write nothing).
-    rows = jnp.full((1, 1), jnp.where(write, cache_row, cache_ref.shape[0]))
-    plgpu.store(cache_ref.at[rows, cols], x, mask=v_mask & write)
-    y = jnp.where(x == x, x, -jnp.inf) * scale  # NaN -> -inf
-    y = jnp.where(v_mask, y, -jnp.inf)
-    y_max = jnp.max(y, axis=1)
-    y_arg = jnp.argmax(y, axis=1).astype(jnp.int32) + v0
-    finite_max = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max, 0.0)
-    y_sum = jnp.sum(jnp.exp(y - finite_max[:, None]), axis=1)
-    in_range = jnp.full((1,), j < num_blocks)
-    stat_rows = jnp.full((1,), d)
-    # Stored by the thread that counts below, after the reductions' barrier
-    # that also follows every thread's cache stores: the count releases both.
-    plgpu.store(bmax_ref.at[stat_rows, j], y_max, mask=in_range)
-    plgpu.store(bsum_ref.at[stat_rows, j], y_sum, mask=in_range)
-    plgpu.store(barg_ref.at[stat_rows, j], y_arg, mask=in_range)
-    return carry
-
   def one_step(s, prev):
     d = b * steps + s  # draw (b, s): flat index b * S + s
     # A token outside the table is clamped, as XLA's gather clamps.
-    prev = jnp.clip(prev, 0, embed_ref.shape[0] - 1)
+    prev_rows = jnp.full((1, 1), jnp.minimum(jnp.maximum(prev, 0),
+                                             embed_ref.shape[0] - 1))
     if dense:
-      cache_row, write = d, True
+      cache_row, write = d, None
     else:
       cache_row = cache_rows_ref[d]
       write = cache_row >= 0
+    # A row not written points past the cache (padding draws write nothing).
+    rows = jnp.full((1, 1), cache_row if write is None else
+                    jnp.where(write, cache_row, cache_ref.shape[0]))
     scale = params_ref[0, d]
-    jax.lax.fori_loop(
-        0, per_program, one_block,
-        (s, d, jnp.full((1, 1), prev), cache_row, jnp.asarray(write), scale))
+    draws = jnp.full((1, 1), d)
+    stat_rows = jnp.full((1,), d)
+    # lax.rem, not %: inside a loop, the Triton lowering of jnp's jitted
+    # remainder failed on its constant divisor.
+    odd = jax.lax.rem(s, 2) == 1
+
+    def one_block(t, carry):
+      if serpentine:
+        # Odd steps take this program's blocks in reverse, so a step starts
+        # on the proj blocks the step before read last (still in L2).
+        t = jnp.where(odd, per_program - 1 - t, t)
+      j = p + t * programs
+      v0 = j * block_v
+      cols = (v0 + col)[None, :]                                # [1, block_v]
+      v_mask = cols < vocab        # also all False for j >= num_blocks
+      x = plgpu.load(base_ref.at[draws, cols], mask=v_mask,
+                     other=0).astype(jnp.float32)
+      v_rows = (v0 + col)[:, None]                              # [block_v, 1]
+
+      def rank_chunk(c, acc):
+        # The bias on the CUDA cores, as the block pass's fma path with one
+        # request a program: the same products summed in the same chunks.
+        k_cols = (c * block_k + jnp.arange(block_k))[None, :]
+        emb = plgpu.load(embed_ref.at[prev_rows, k_cols], mask=k_cols < rank,
+                         other=0)
+        proj = plgpu.load(proj_ref.at[v_rows, k_cols],
+                          mask=(v_rows < vocab) & (k_cols < rank), other=0)
+        prod = proj.astype(jnp.float32) * emb.astype(jnp.float32)
+        return acc + jnp.sum(prod, axis=1)[None, :]
+
+      # Triton software-pipelines this loop: the next proj chunk is in flight
+      # while this one is summed.
+      x = jax.lax.fori_loop(0, num_chunks, rank_chunk, x)
+      # The cache holds pre-temperature logits.
+      plgpu.store(cache_ref.at[rows, cols], x,
+                  mask=v_mask if write is None else v_mask & write)
+      y = jnp.where(x == x, x, -jnp.inf) * scale  # NaN -> -inf
+      y = jnp.where(v_mask, y, -jnp.inf)
+      y_max = jnp.max(y, axis=1)
+      y_arg = jnp.argmax(y, axis=1).astype(jnp.int32) + v0
+      finite_max = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max,
+                             0.0)
+      y_sum = jnp.sum(jnp.exp(y - finite_max[:, None]), axis=1)
+      in_range = jnp.full((1,), j < num_blocks)
+      # Stored by the thread that counts below, after the reductions' barrier
+      # that also follows every thread's cache stores: the count releases
+      # both.
+      plgpu.store(bmax_ref.at[stat_rows, j], y_max, mask=in_range)
+      plgpu.store(bsum_ref.at[stat_rows, j], y_sum, mask=in_range)
+      plgpu.store(barg_ref.at[stat_rows, j], y_arg, mask=in_range)
+      return carry
+
+    jax.lax.fori_loop(0, per_program, one_block, d)
 
     # The barrier: count this program done (acq_rel at GPU scope releases its
     # stores), then wait until the request's P programs have all counted for
