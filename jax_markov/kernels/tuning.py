@@ -15,6 +15,10 @@ rule:
   pipelines 3 stages deep;
 * reference design (selectable): one request per program, vocabulary blocks
   of 1024 at B <= 4 and 4096 above.
+
+The persistent draft (select="persistent": the whole draft in one launch) is
+selectable but in no entry: level with the table at B = 1 (perf-notes.md,
+change 24).
 """
 
 from __future__ import annotations
