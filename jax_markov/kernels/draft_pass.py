@@ -40,7 +40,7 @@ from jax_markov.kernels.select_pass import draw_token
 
 
 def multiprocessors() -> int | None:
-  """Multiprocessors of the first GPU, or None without a GPU (or the count)."""
+  """Multiprocessors of the first GPU; None without one or its count."""
   try:
     devices = jax.devices("gpu")
   except RuntimeError:
