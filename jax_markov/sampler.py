@@ -3,9 +3,9 @@
 A step is two Pallas launches (block pass, select pass), plus the bias GEMM in
 XLA for the reference design; one launch with ``select="tail"``, where the
 block pass's last program draws; and with ``select="persistent"`` the whole
-draft is one launch (kernels/draft_pass.py). Compiled, the steps are a Python loop (each
-launch gets its step index as a constant); in the interpreter they are a
-lax.scan, which compiles faster. The cache and the tokens drawn so far pass
+draft is one launch (kernels/draft_pass.py). Compiled, the steps are a Python
+loop (each launch gets its step index as a constant); in the interpreter they
+are a lax.scan, which compiles faster. The cache and the tokens drawn so far pass
 from step to step on the device (the block pass gathers the previous token's
 embedding row itself): nothing returns to the host.
 """
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax_markov import rng, validate
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
-from jax_markov.kernels import draft_pass
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
+from jax_markov.kernels.draft_pass import draft_pass
 from jax_markov.kernels.select_pass import select_pass
 
 
@@ -63,13 +63,10 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
                     else jax.lax.Precision.DEFAULT)
 
   if config.select == "persistent":  # the whole draft in one launch
-    programs = config.programs
-    if not programs:
-      sms = None if interpret else draft_pass.multiprocessors()
-      programs = max(1, (sms or 1) // B)
-    cache, tokens = draft_pass.draft_pass(
+    cache, tokens = draft_pass(
         base_flat, head.embed, head.proj, anchor_tokens, params, cache_rows,
-        cache, num_steps=S, num_cache_rows=num_cache_rows, programs=programs,
+        cache, num_steps=S, num_cache_rows=num_cache_rows,
+        programs=config.programs,
         block_v=config.block_v, block_k=config.block_k,
         serpentine=config.serpentine, num_warps=config.num_warps,
         num_stages=config.num_stages, interpret=interpret)

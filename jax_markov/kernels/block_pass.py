@@ -73,6 +73,30 @@ def num_request_tiles(batch: int, block_b: int) -> int:
   return pl.cdiv(batch, block_b)
 
 
+def block_statistics(x, v_mask, scale, v0):
+  """Per row of a logits tile: the block's max, sum of exp and first-max index.
+
+  Args:
+    x: float32 [rows, block_v], the tile's pre-temperature logits.
+    v_mask: bool, broadcastable to x: the columns inside the vocabulary.
+    scale: float32, broadcastable to x: 1 / T (1 where greedy).
+    v0: the vocabulary index of the tile's first column.
+
+  Returns:
+    (max float32 [rows] of y = x * scale, sum float32 [rows] of
+    exp(y - max), first-max index int32 [rows]). NaN logits count as -inf.
+  """
+  y = jnp.where(x == x, x, -jnp.inf) * scale  # NaN -> -inf
+  y = jnp.where(v_mask, y, -jnp.inf)
+  y_max = jnp.max(y, axis=1)
+  y_arg = jnp.argmax(y, axis=1).astype(jnp.int32) + v0
+  # An all -inf block has sum 0 (not exp(nan)); a +inf max makes the sum inf,
+  # which the select pass reads as "fall back to argmax".
+  finite_max = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max, 0.0)
+  y_sum = jnp.sum(jnp.exp(y - finite_max[:, None]), axis=1)
+  return y_max, y_sum, y_arg
+
+
 def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
                        has_cache_in: bool, block_b: int, block_v: int,
                        block_k: int, batch: int,
@@ -199,14 +223,8 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
               mask=write[:, None] & v_mask[None, :], eviction_policy=stream)
 
   scale = plgpu.load(params_ref.at[0, draw], mask=b_mask, other=1.0)
-  y = jnp.where(x == x, x, -jnp.inf) * scale[:, None]  # NaN -> -inf
-  y = jnp.where(v_mask[None, :], y, -jnp.inf)
-  y_max = jnp.max(y, axis=1)
-  y_arg = jnp.argmax(y, axis=1).astype(jnp.int32) + v0
-  # An all -inf block has sum 0 (not exp(nan)); a +inf max makes the sum inf,
-  # which the select pass reads as "fall back to argmax".
-  finite_max = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max, 0.0)
-  y_sum = jnp.sum(jnp.exp(y - finite_max[:, None]), axis=1)
+  y_max, y_sum, y_arg = block_statistics(x, v_mask[None, :], scale[:, None],
+                                         v0)
   # Request-major [B, NB]: the select pass then reads each request's
   # statistics as one contiguous row (a column of [NB, B] is one 32-byte
   # sector per value); these stores are spread over all programs instead.

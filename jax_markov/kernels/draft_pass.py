@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_markov.kernels.block_pass import block_statistics
 from jax_markov.kernels.select_pass import draw_token
 
 
@@ -133,13 +134,7 @@ def _draft_kernel(*refs, dense: bool, has_cache_in: bool, steps: int,
       # The cache holds pre-temperature logits.
       plgpu.store(cache_ref.at[rows, cols], x,
                   mask=v_mask if write is None else v_mask & write)
-      y = jnp.where(x == x, x, -jnp.inf) * scale  # NaN -> -inf
-      y = jnp.where(v_mask, y, -jnp.inf)
-      y_max = jnp.max(y, axis=1)
-      y_arg = jnp.argmax(y, axis=1).astype(jnp.int32) + v0
-      finite_max = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max,
-                             0.0)
-      y_sum = jnp.sum(jnp.exp(y - finite_max[:, None]), axis=1)
+      y_max, y_sum, y_arg = block_statistics(x, v_mask, scale, v0)
       in_range = jnp.full((1,), j < num_blocks)
       # Stored by the thread that counts below, after the reductions' barrier
       # that also follows every thread's cache stores: the count releases
@@ -201,7 +196,8 @@ def draft_pass(base: jax.Array, embed: jax.Array, proj: jax.Array,
       new one (dense: every row is written).
     num_steps: S (static).
     num_cache_rows: rows of the cache (static).
-    programs: P, programs per request (see :func:`check_programs`).
+    programs: P, programs per request (see :func:`check_programs`); 0: the
+      multiprocessors split over the requests (1 in the interpreter).
     block_v: vocabulary columns per block, a power of two.
     block_k: rank columns summed per loop iteration, a power of two.
     serpentine: odd steps take each program's blocks in reverse order (the
@@ -215,8 +211,10 @@ def draft_pass(base: jax.Array, embed: jax.Array, proj: jax.Array,
   steps = num_steps
   batch, vocab = base.shape[0] // steps, base.shape[1]
   rank = proj.shape[1]
-  check_programs(batch, programs, interpret=interpret,
-                 num_sms=None if interpret else multiprocessors())
+  num_sms = None if interpret else multiprocessors()
+  if programs == 0:
+    programs = max(1, (num_sms or 1) // batch)
+  check_programs(batch, programs, interpret=interpret, num_sms=num_sms)
   num_blocks = pl.cdiv(vocab, block_v)
   dense = cache_rows is None
   counters = jnp.zeros((batch,), jnp.int32)
