@@ -1,6 +1,6 @@
 """Host overhead per call of torch_bridge.FusedMarkovSampler (run on a GPU).
 
-Builds the speculator double of tests/speculator_double.py on CUDA at serving
+Builds the speculator double of torch_bridge/testing.py on CUDA at serving
 sizes (default: DeepSeek-V4-Flash-like V = 129280, R = 256; S = 5; bf16) and
 measures, per batch size B:
 
@@ -42,7 +42,7 @@ import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_ROOT, os.path.join(_ROOT, "tests")]
+sys.path[:0] = [_ROOT]
 
 # torch_bridge first: it sets XLA_PYTHON_CLIENT_PREALLOCATE before JAX starts.
 import torch_bridge as tb  # pylint: disable=g-import-not-at-top
@@ -51,7 +51,7 @@ from torch_bridge import dlpack as tbdl  # pylint: disable=g-import-not-at-top
 import jax  # pylint: disable=g-import-not-at-top
 import torch  # pylint: disable=g-import-not-at-top
 
-import speculator_double as sd  # pylint: disable=g-import-not-at-top
+from torch_bridge import testing as sd  # pylint: disable=g-import-not-at-top
 
 
 _CUDA = True

@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-import speculator_double as sd  # pylint: disable=g-import-not-at-top
+from torch_bridge import testing as sd  # pylint: disable=g-import-not-at-top
 
 
 def _has_gpu() -> bool:
