@@ -102,11 +102,11 @@ def _sampler_for(spec, **kwargs):
                                mh.markov_w2.weight.dtype, **kwargs)
 
 
-def _matches(config, device, platform):
+def _matches(config, device, platform, **sampler_kwargs):
   kwargs, calls = CONFIGS[config]
   spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, rank=R,
                              device=device, **{"vocab": V, **kwargs})
-  sampler = _sampler_for(spec)
+  sampler = _sampler_for(spec, **sampler_kwargs)
   for n, padding, greedy in calls:
     _run_and_check(spec, sampler, n, padding, greedy, platform)
   return spec, sampler
@@ -340,24 +340,28 @@ def test_preallocation_env_is_set():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
+@pytest.mark.parametrize("runtime", ["native", "jax"])
 @pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_gpu_matches_jm_and_torch_loop(config):
-  _, sampler = _matches(config, "cuda", "gpu")
-  for slot in ("spec.seeds", "spec.sample_idx_mapping", "spec.temperature",
-               "spec.draft_logits.values",
-               "spec.model.model.markov_head.markov_w2.weight"):
-    assert sampler.is_zero_copy(slot), slot
+def test_gpu_matches_jm_and_torch_loop(config, runtime):
+  _, sampler = _matches(config, "cuda", "gpu", runtime=runtime)
+  assert sampler.runtime == runtime
+  if runtime == "jax":
+    for slot in ("spec.seeds", "spec.sample_idx_mapping", "spec.temperature",
+                 "spec.draft_logits.values",
+                 "spec.model.model.markov_head.markov_w2.weight"):
+      assert sampler.is_zero_copy(slot), slot
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
+@pytest.mark.parametrize("runtime", ["native", "jax"])
 @pytest.mark.parametrize("side_stream", [False, True])
-def test_gpu_stream_ordering(side_stream):
+def test_gpu_stream_ordering(side_stream, runtime):
   """Torch writes queued right before the call are seen; results are seen
   by torch work queued right after; writes right after do not leak in."""
   spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R,
                              device="cuda")
-  sampler = _sampler_for(spec)
+  sampler = _sampler_for(spec, runtime=runtime)
   stream = torch.cuda.Stream() if side_stream else torch.cuda.current_stream()
   n = 6
   for trial in range(3):
@@ -409,13 +413,13 @@ def test_gpu_cpu_tensor_beside_cuda_ones():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
-def test_gpu_capture_is_refused():
+def test_gpu_capture_is_refused_by_the_jax_runtime():
   spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R,
                              device="cuda")
   hidden = spec.prepare(4)
   torch.cuda.synchronize()
   for on_capture in ("raise", "fallback"):
-    sampler = _sampler_for(spec, on_capture=on_capture)
+    sampler = _sampler_for(spec, on_capture=on_capture, runtime="jax")
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     result = []

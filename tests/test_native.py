@@ -1,0 +1,304 @@
+"""The native runtime: Pallas kernels lowered to Triton IR, compiled by triton,
+launched on torch's stream (torch_bridge/native*.py).
+
+CPU: every bucket's kernels lower for CUDA (the DeepSeek-V4 shape included),
+the IR is well formed (triton parses and compiles it to a cubin for sm_90
+when the triton package is installed), and the IR cache works. GPU (marked):
+eager, captured and ``jm.sample_draft_into`` agree; capture below the bucket;
+no allocation across replays; replay on a side stream; the fallback.
+"""
+
+import os
+
+import torch_bridge as tb  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE
+
+import chex
+import jax
+import numpy as np
+import pytest
+import torch
+
+from jax_markov.kernels.draw_params import ParamsLayout
+from torch_bridge import buckets as tbb
+from torch_bridge import native, native_plan
+from torch_bridge import testing as sd
+
+import jax_markov as jm
+from helpers import check_draft
+
+try:
+  import triton  # noqa: F401
+  _TRITON = True
+except ImportError:
+  _TRITON = False
+
+
+def _gpu() -> bool:
+  if not torch.cuda.is_available():
+    return False
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+_GPU = _gpu()
+
+
+def _shape(m, s, v, r, *, dtype=torch.bfloat16, idx64=False):
+  words = (("idx", m * s * (2 if idx64 else 1)), ("pos", 2 * m * s),
+           ("seeds", 2 * m), ("ids", m * s + 4), ("anchor_idx", 2 * m))
+  return native_plan.DraftShape(
+      max_num_reqs=m, steps=s, vocab=v, rank=r, vocab_in=v + 5,
+      base_dtype=dtype, head_dtype=dtype, temperature_dtype=torch.float32,
+      words=words, layout=ParamsLayout(idx_wide=idx64, pos_wide=True))
+
+
+def _well_formed(ir: native.KernelIR):
+  assert ir.ttir.startswith("module"), ir.ttir[:80]
+  assert f"tt.func public @{ir.name}(" in ir.ttir
+  assert ir.ttir.count("!tt.ptr") >= ir.num_inputs + ir.num_outputs
+  assert all(g >= 1 for g in ir.grid) and len(ir.grid) == 3
+
+
+@pytest.mark.parametrize("m,s,v,r,compile_buckets", [
+    (8, 3, 96, 8, (1, 2, 8)),
+    # DeepSeek-V4: the tuning table's entries (B = 1 tail select, 64, 256).
+    (256, 7, 129280, 256, (1, 64, 256)),
+])
+def test_every_bucket_lowers_to_triton_ir(tmp_path, m, s, v, r,
+                                          compile_buckets):
+  cache = native.IRCache(str(tmp_path))
+  for bp in tbb.default_buckets(m):
+    kernels = native_plan.lower_bucket(_shape(m, s, v, r), bp, cache)
+    cfg = native_plan.config(bp, v, r)
+    want = {"draw_params", "block_pass"} | (
+        set() if cfg.select == "tail" else {"select_pass"})
+    assert set(kernels) == want
+    for name, (ir, path) in kernels.items():
+      _well_formed(ir)
+      assert os.path.exists(path)
+      if _TRITON and bp in compile_buckets:
+        compiled = native.compile_kernel(ir, path, (9, 0))
+        assert compiled.asm["cubin"], name
+  assert cache.misses > 0 and cache.hits == 0
+
+
+def test_ir_cache_hits_and_keys(tmp_path):
+  cache = native.IRCache(str(tmp_path))
+  shape = _shape(4, 2, 64, 8)
+  first = native_plan.lower_bucket(shape, 2, cache)
+  misses = cache.misses
+  again = native_plan.lower_bucket(shape, 2, native.IRCache(str(tmp_path)))
+  assert {k: v[0] for k, v in first.items()} == {k: v[0]
+                                                 for k, v in again.items()}
+  assert cache.misses == misses
+  # A different layout (int64 state rows) is a different kernel.
+  other = native_plan.lower_bucket(_shape(4, 2, 64, 8, idx64=True), 2, cache)
+  assert other["draw_params"][1] != first["draw_params"][1]
+  assert cache.misses > misses
+
+
+def test_lower_kernel_refuses_two_kernels():
+  from jax_markov.kernels.select_pass import select_pass  # noqa: F401
+  with pytest.raises(RuntimeError, match="one pallas_call"):
+    native.lower_kernel(lambda x: x + 1, jax.ShapeDtypeStruct((4,), "float32"))
+
+
+def test_runtime_choice_is_said(caplog):
+  spec = sd.SpeculatorDouble(max_num_reqs=4, num_steps=2, vocab=32, rank=4)
+  with caplog.at_level("INFO", logger="torch_bridge"):
+    sampler = tb.FusedMarkovSampler(4, 32, 4, torch.float32)
+  ok, why = native.available()
+  assert sampler.runtime == ("native" if ok else "jax")
+  assert sampler.runtime in caplog.text and sampler.runtime_reason
+  with pytest.raises(ValueError, match="runtime"):
+    tb.FusedMarkovSampler(4, 32, 4, torch.float32, runtime="xla")
+  if not ok:
+    with pytest.raises(RuntimeError, match="cannot run here"):
+      tb.FusedMarkovSampler(4, 32, 4, torch.float32, runtime="native")
+  del spec
+
+
+# ----------------------------------------------------------------------------
+# GPU
+# ----------------------------------------------------------------------------
+
+gpu = [pytest.mark.gpu,
+       pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")]
+
+
+def _sampler(spec, **kw):
+  w2 = spec.model.model.markov_head.markov_w2.weight
+  return tb.FusedMarkovSampler(spec.max_num_reqs, spec.vocab, w2.shape[1],
+                               w2.dtype, runtime="native", **kw)
+
+
+def _snapshot(spec):
+  return spec.draft_tokens.clone(), spec.draft_logits.values.clone()
+
+
+def _agrees_with_jm(spec, n, hidden, tokens, cache, cache0, *,
+                    max_checked=8):
+  """The draft against the contract and against jm.sample_draft_into.
+
+  Step by step with teacher forcing (helpers.check_draft): logits = base +
+  bias of the draft's own previous token within the float32 bound, and each
+  token the inverse CDF at jm.draft_uniforms away from boundaries, for the
+  first max_checked requests. The kernels are compiled by triton here and by
+  XLA's Triton in jm: a 1-ulp difference can move a draw across a CDF
+  boundary at a large V, after which the chains legitimately differ, so
+  equality with jm is asserted only at the small vocabularies.
+  """
+  x = spec.inputs(n, hidden)
+  idx = x["idx"]
+  valid = idx >= 0
+  k = min(n, max_checked)
+  steps = torch.arange(idx.shape[1]).expand_as(idx)
+  rows = torch.where(valid, idx, 0)
+  logits = cache.cpu()[rows, steps][:k].numpy()
+  tok = tokens.cpu()[:n, :idx.shape[1]][:k].numpy().astype(np.int32)
+  seeds = x["seeds"][rows[:k].reshape(-1)].numpy()
+  u = np.asarray(jm.draft_uniforms(
+      seeds, torch.clamp(x["positions"][:k], min=0).reshape(-1, 1).numpy()))
+  temp = x["temperature"][rows[:k]].numpy()
+  temp = np.where(valid[:k].numpy(), temp, 0.0)
+  head = jm.MarkovHead(x["w1"].float().numpy(), x["w2"].float().numpy())
+  check_draft(tok, logits, x["base"][:k].float().numpy(),
+              x["anchors"][:k].numpy(), head, temp, u.reshape(k, -1),
+              rows=valid[:k].numpy())
+  if spec.vocab <= 1024:
+    want_tokens, want_cache = sd.jm_sample_draft_into(cache0.cpu(), x, "gpu")
+    np.testing.assert_array_equal(tokens.cpu()[:n][valid], want_tokens[valid])
+    np.testing.assert_allclose(cache.cpu(), want_cache, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("m,s,v,r,dtype,calls", [
+    (8, 3, 96, 8, torch.float32, (5, 8, 1)),
+    (8, 3, 130, 8, torch.bfloat16, (6, 3)),
+    (256, 7, 129280, 256, torch.bfloat16, (1, 64, 256)),
+])
+def test_gpu_eager_captured_and_jm_agree(m, s, v, r, dtype, calls):
+  pytest.importorskip("triton")
+  if not _GPU:
+    pytest.skip("needs a CUDA GPU")
+  spec = sd.SpeculatorDouble(max_num_reqs=m, num_steps=s, vocab=v, rank=r,
+                             hidden=64, dtype=dtype, device="cuda")
+  sampler = _sampler(spec)
+  sampler.warmup(spec)
+  for n in calls:
+    hidden = spec.prepare(n, greedy=(0,))
+    tokens0, cache0 = _snapshot(spec)
+    assert sampler(spec, n, hidden)
+    torch.cuda.synchronize()
+    eager_tokens, eager_cache = _snapshot(spec)
+    _agrees_with_jm(spec, n, hidden, eager_tokens, eager_cache, cache0)
+    # The same call captured, replayed from the same inputs: bit for bit.
+    spec.draft_tokens.copy_(tokens0)
+    spec.draft_logits.values.copy_(cache0)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+      with torch.cuda.graph(graph, stream=stream):
+        assert sampler(spec, n, hidden)
+    torch.cuda.synchronize()
+    spec.draft_tokens.copy_(tokens0)
+    spec.draft_logits.values.copy_(cache0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(spec.draft_tokens, eager_tokens)
+    assert torch.equal(spec.draft_logits.values, eager_cache)
+
+
+@pytest.mark.parametrize("_", [0])
+def test_gpu_capture_below_bucket_replays_without_allocating(_):
+  pytest.importorskip("triton")
+  if not _GPU:
+    pytest.skip("needs a CUDA GPU")
+  spec = sd.SpeculatorDouble(max_num_reqs=8, num_steps=3, vocab=96, rank=8,
+                             device="cuda")
+  sampler = _sampler(spec)
+  sampler.warmup(spec)
+  n = 5  # bucket 8: rows 5..7 are padding and must write nothing
+  hidden = spec.prepare(n)
+  graph = torch.cuda.CUDAGraph()
+  stream = torch.cuda.Stream()
+  stream.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(stream):
+    with torch.cuda.graph(graph, stream=stream):
+      sampler(spec, n, hidden)
+  torch.cuda.synchronize()
+  for trial in range(3):
+    hidden.copy_(spec.prepare(n, padding=(trial,)))
+    tokens0, cache0 = _snapshot(spec)
+    before = torch.cuda.memory_allocated()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+    tokens, cache = _snapshot(spec)
+    _agrees_with_jm(spec, n, hidden, tokens, cache, cache0)
+    assert torch.equal(tokens[n:], tokens0[n:])
+
+
+def test_gpu_replay_on_side_stream_orders_with_work_around_it():
+  pytest.importorskip("triton")
+  if not _GPU:
+    pytest.skip("needs a CUDA GPU")
+  spec = sd.SpeculatorDouble(max_num_reqs=8, num_steps=3, vocab=96, rank=8,
+                             device="cuda")
+  sampler = _sampler(spec)
+  n = 4
+  hidden = spec.prepare(n)
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.stream(side):
+    sampler(spec, n, hidden)  # warm (compiles) outside the capture
+    with torch.cuda.graph(graph, stream=side):
+      sampler(spec, n, hidden)
+  torch.cuda.synchronize()
+  real_seeds = spec.seeds.clone()
+  x = spec.inputs(n, hidden)
+  cache0 = spec.draft_logits.values.clone()
+  with torch.cuda.stream(side):
+    spec.seeds.fill_(99)
+    torch.cuda._sleep(100_000_000)  # pylint: disable=protected-access
+    spec.seeds.copy_(real_seeds)  # must land before the replay reads it
+    graph.replay()
+    got = spec.draft_tokens.clone()  # must see the replay's writes
+    spec.seeds.fill_(7)
+  torch.cuda.synchronize()
+  want_tokens, _ = sd.jm_sample_draft_into(cache0.cpu(), x, "gpu")
+  valid = x["idx"] >= 0
+  np.testing.assert_array_equal(got.cpu()[:n][valid], want_tokens[valid])
+  spec.seeds.copy_(real_seeds)
+
+
+def test_gpu_fallback_when_compilation_fails(monkeypatch, tmp_path):
+  pytest.importorskip("triton")
+  if not _GPU:
+    pytest.skip("needs a CUDA GPU")
+
+  def broken(*args, **kwargs):
+    raise RuntimeError("triton says no")
+
+  monkeypatch.setattr(native, "compile_kernel", broken)
+  spec = sd.SpeculatorDouble(max_num_reqs=8, num_steps=3, vocab=96, rank=8,
+                             device="cuda")
+  sampler = _sampler(spec, cache_dir=str(tmp_path))
+  assert sampler.runtime == "native"
+  hidden = spec.prepare(4)
+  with pytest.warns(RuntimeWarning, match="triton says no"):
+    assert sampler(spec, 4, hidden)
+  assert sampler.runtime == "jax"
+  torch.cuda.synchronize()
+  chex.assert_shape(spec.draft_tokens.cpu().numpy(), (8, 3))
+
+
+for _name in list(globals()):
+  if _name.startswith("test_gpu_"):
+    _fn = globals()[_name]
+    for _mark in gpu:
+      _fn = _mark(_fn)
+    globals()[_name] = _fn

@@ -1,0 +1,332 @@
+"""FusedMarkovSampler: jax_markov as the Markov-step hook of a torch speculator.
+
+vLLM's ``DSparkSpeculator._sample_sequential`` hands its sequential Markov
+steps to a hook ``sampler(spec, num_reqs, head_hidden) -> bool``; this is
+such a hook. Two runtimes run the draft (docs/torch_bridge.md):
+
+* "native" (the default where CUDA and triton exist): the Pallas kernels,
+  compiled by triton, launched on torch's current stream; capturable in a
+  torch CUDA graph (native_runtime.py);
+* "jax": one XLA program per bucket over DLPack, for JAX-owned workflows
+  (jax_runtime.py); not capturable.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+import warnings
+
+import numpy as np
+import torch
+
+from torch_bridge import buckets as _buckets
+from torch_bridge import checks
+from torch_bridge import native
+from torch_bridge.checks import BridgeInputError
+
+log = logging.getLogger("torch_bridge")
+RUNTIMES = ("native", "jax")
+
+
+def _choose_runtime(runtime: str | None) -> tuple[str, str]:
+  """The runtime to run and why."""
+  if runtime not in (None, *RUNTIMES):
+    raise ValueError(f"runtime must be one of {RUNTIMES} or None, got "
+                     f"{runtime!r}")
+  ok, why = native.available()
+  if runtime == "jax":
+    return "jax", "asked for (runtime='jax')"
+  if runtime == "native":
+    if not ok:
+      raise RuntimeError(f"runtime='native' cannot run here: {why}")
+    return "native", "asked for (runtime='native')"
+  if ok:
+    return "native", why
+  return "jax", f"the native runtime cannot run here: {why}"
+
+
+class FusedMarkovSampler:
+  """The DSpark Markov-step hook for torch speculators, backed by jax_markov.
+
+  ``sampler(spec, num_reqs, head_hidden)`` does what the eager loop of
+  ``DSparkSpeculator._sample_sequential`` does, reading from ``spec`` (S =
+  ``spec.num_speculative_steps``, M = ``max_num_reqs``, N = M state rows):
+
+  * base logits: ``spec.model.compute_draft_logits(head_hidden[
+    spec.sample_indices[:num_reqs * S]])``, [num_reqs * S, V] request-major,
+    bf16/fp16/fp32 (computed in torch, as the reference hook does);
+  * anchors: ``spec.input_buffers.input_ids[spec._anchor_idx[:num_reqs]]``;
+  * head: ``spec.model.model.markov_head.markov_w1.weight`` [V_in, R] and
+    ``.markov_w2.weight`` [V, R], of ``dtype``;
+  * ``spec.sample_idx_mapping`` int32/int64 [M * S] or [M, S]: the state row
+    of each (request, step), -1 = padding; ``spec.temperature`` float [N] and
+    ``spec.seeds`` int64/int32 [N] per state row; ``spec.sample_pos``
+    int32/int64 like the mapping: the predicted token's position, and the
+    draw is keyed by ``sample_pos - 1``.
+
+  It writes ``spec.draft_tokens[:num_reqs, :S]`` (int64/int32 [M, >= S]) and,
+  for every valid (b, s), row ``spec.draft_logits.values[idx[b, s], s]``
+  (float32 [M, S, V], contiguous) with the pre-temperature float32 logits,
+  the same tokens and rows as ``jm.sample_draft_into``; nothing else changes.
+
+  Calls are serialized by a lock (the scratch is shared); with the native
+  runtime a call on another stream than the previous call's waits for it.
+
+  Returns False without touching anything for configurations the hook does
+  not cover (logged once each), so the engine runs its own path.
+
+  Attributes:
+    max_num_reqs, vocab_size, rank, dtype: as constructed.
+    buckets: the batch sizes compiled for (docs/torch_bridge.md).
+    runtime: "native" or "jax", the runtime that runs; runtime_reason: why.
+  """
+
+  def __init__(self, max_num_reqs: int, vocab_size: int, rank: int, dtype,
+               *, runtime: str | None = None, buckets=None,
+               check_values: bool = False, on_capture: str = "raise",
+               cache_dir: str | None = None):
+    """Builds the hook.
+
+    Args:
+      max_num_reqs: M, the speculator's request capacity; the number of state
+        rows of ``spec.temperature``, ``spec.seeds`` and the logits cache.
+      vocab_size: V, the draft vocabulary (columns of the base logits, rows
+        of ``markov_w2``).
+      rank: R, the Markov head's rank.
+      dtype: the head's dtype (a torch dtype, or its name, e.g. "bfloat16").
+      runtime: "native", "jax", or None: native where CUDA, triton and the
+        Pallas Triton lowering exist, else jax. Logged at init (logger
+        "torch_bridge"); if native kernels later fail to lower or compile,
+        the hook warns once and continues with the jax runtime.
+      buckets: batch sizes to compile for (default: powers of two below M,
+        and M); see :func:`torch_bridge.buckets.normalize_buckets`.
+      check_values: also verify the values of the index buffers on every
+        call (state rows in range and distinct within a step, positions in
+        [1, 2**31], temperatures >= 0, anchors in the vocabulary). Costs a
+        device-to-host copy and sync per call, and is skipped under capture.
+      on_capture: the jax runtime under torch CUDA graph capture: "raise"
+        (default) or "fallback" (return False, so the engine captures its
+        own eager path). The native runtime is captured.
+      cache_dir: where lowered kernels are kept (default
+        $JAX_MARKOV_CACHE_DIR or ~/.cache/jax_markov/native).
+    """
+    if isinstance(dtype, str):
+      dtype = getattr(torch, dtype.removeprefix("torch."), None)
+    if dtype not in checks.FLOATS:
+      raise ValueError(f"dtype must be one of "
+                       f"{checks.dtype_names(checks.FLOATS)}, got {dtype!r}")
+    if on_capture not in ("raise", "fallback"):
+      raise ValueError(f"on_capture must be 'raise' or 'fallback', got "
+                       f"{on_capture!r}")
+    for name, value in (("max_num_reqs", max_num_reqs),
+                        ("vocab_size", vocab_size), ("rank", rank)):
+      if isinstance(value, bool) or operator.index(value) < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+    self.max_num_reqs = operator.index(max_num_reqs)
+    self.vocab_size = operator.index(vocab_size)
+    self.rank = operator.index(rank)
+    self.dtype = dtype
+    self.buckets = _buckets.normalize_buckets(buckets, self.max_num_reqs)
+    self.check_values = check_values
+    self.on_capture = on_capture
+    self.runtime, self.runtime_reason = _choose_runtime(runtime)
+    log.info("torch_bridge.FusedMarkovSampler: runtime %r (%s)", self.runtime,
+             self.runtime_reason)
+    self._ir_cache = native.IRCache(cache_dir)
+    self._impl = self._make_runtime(self.runtime)
+    self._lock = threading.Lock()
+    self._checked: dict[str, tuple] = {}
+    self._rules: dict[int, dict] = {}
+    self._device: torch.device | None = None
+    self._declined: set[str] = set()
+
+  def _make_runtime(self, name: str):
+    if name == "native":
+      from torch_bridge import native_runtime  # pylint: disable=g-import-not-at-top
+      return native_runtime.NativeRuntime(self, self._ir_cache)
+    from torch_bridge import jax_runtime  # pylint: disable=g-import-not-at-top
+    return jax_runtime.JaxRuntime(self)
+
+  def _fall_back(self, error: Exception) -> None:
+    """The native kernels failed to lower or compile: one warning, then jax."""
+    warnings.warn(
+        f"torch_bridge: the native runtime failed ({type(error).__name__}: "
+        f"{error}); continuing with the jax runtime (DLPack, not "
+        "capturable)", RuntimeWarning, stacklevel=3)
+    self.runtime = "jax"
+    self.runtime_reason = f"fell back: native failed with {error!r}"
+    self._impl = self._make_runtime("jax")
+    if self._device is not None:
+      self._impl.reset(self._device)
+
+  # -- public helpers ---------------------------------------------------------
+
+  @property
+  def import_count(self) -> int:
+    """DLPack imports so far (jax runtime; cached buffers count once)."""
+    imports = getattr(self._impl, "imports", None)
+    return 0 if imports is None else imports.imports
+
+  def is_zero_copy(self, slot: str) -> bool | None:
+    """Whether the jax runtime's import of ``slot`` aliases torch's memory."""
+    imports = getattr(self._impl, "imports", None)
+    return None if imports is None else imports.is_alias(slot)
+
+  def warmup(self, spec, base_dtype=None) -> int:
+    """Compiles the draft for every bucket without writing anything.
+
+    Args:
+      spec: the speculator (its buffers are validated).
+      base_dtype: dtype of ``compute_draft_logits``'s output (default: the
+        head dtype).
+
+    Returns:
+      The number of buckets compiled.
+    """
+    base_dtype = self.dtype if base_dtype is None else base_dtype
+    with self._lock:
+      s_len = self._num_steps(spec)
+      self._set_device(spec.model.model.markov_head.markov_w2.weight.device)
+      try:
+        return self._impl.warmup(spec, s_len, base_dtype)
+      except native.BuildError as e:
+        self._fall_back(e)
+        return self._impl.warmup(spec, s_len, base_dtype)
+
+  # -- the hook ---------------------------------------------------------------
+
+  def __call__(self, spec, num_reqs: int, head_hidden: torch.Tensor) -> bool:
+    """Drafts ``spec.num_speculative_steps`` tokens for ``num_reqs`` requests.
+
+    Args:
+      spec: the speculator (see the class docstring for what is read).
+      num_reqs: requests in this batch, 0 <= num_reqs <= max_num_reqs.
+      head_hidden: [T, H] hidden states the base logits are computed from;
+        its device is the device of every spec buffer.
+
+    Returns:
+      True once the writes are queued on torch's current stream (nothing is
+      synchronized). False, with nothing written, for configurations the
+      hook does not cover.
+
+    Raises:
+      BridgeInputError: a spec attribute has the wrong type, dtype, device,
+        shape, layout (or, with check_values, value); the message names it.
+        Nothing has been written.
+      RuntimeError: the jax runtime called during torch CUDA graph capture
+        (on_capture="raise").
+    """
+    if isinstance(num_reqs, (bool, np.bool_)):
+      raise BridgeInputError(f"num_reqs: expected an int, got {num_reqs!r}")
+    try:
+      n = operator.index(num_reqs)
+    except TypeError:
+      raise BridgeInputError(
+          f"num_reqs: expected an int, got {num_reqs!r}") from None
+    if not 0 <= n <= self.max_num_reqs:
+      raise BridgeInputError(
+          f"num_reqs: expected 0 <= num_reqs <= max_num_reqs="
+          f"{self.max_num_reqs}, got {n}")
+    reason = self._unsupported(spec)
+    if reason is not None:
+      if reason not in self._declined:
+        self._declined.add(reason)
+        log.warning("torch_bridge.FusedMarkovSampler declines: %s; the "
+                    "engine runs its own path", reason)
+      return False
+    if not isinstance(head_hidden, torch.Tensor):
+      raise BridgeInputError(
+          f"head_hidden: expected a torch.Tensor, got "
+          f"{checks.describe(head_hidden)}")
+    capturing = (head_hidden.device.type == "cuda" and
+                 torch.cuda.is_current_stream_capturing())
+    if capturing and not self._impl.capturable:
+      if self.on_capture == "fallback":
+        return False
+      raise RuntimeError(
+          "torch_bridge.FusedMarkovSampler (runtime 'jax') was called during "
+          "torch CUDA graph capture; JAX work cannot be captured into a torch "
+          "graph. Use the native runtime (CUDA + triton), run the draft step "
+          "uncaptured, or pass on_capture='fallback'.")
+    with self._lock, torch.no_grad():
+      self._set_device(head_hidden.device)
+      s_len = self._num_steps(spec)
+      if n == 0:
+        return True
+      # Everything the call writes is checked before anything is written.
+      self.check_buffer("spec.draft_tokens", spec.draft_tokens, s_len)
+      self.check_buffer(checks.CACHE, checks.cache_tensor(spec.draft_logits),
+                        s_len)
+      if self.check_values and not capturing:
+        checks.check_values(
+            spec, n, s_len, self.max_num_reqs,
+            one_row_per_request=self._impl.one_row_per_request)
+      base = self._base_logits(spec, n, s_len, head_hidden)
+      try:
+        self._impl.run(spec, n, s_len, base)
+      except native.BuildError as e:
+        if capturing:  # the capture is broken already: say so, do not hide it
+          raise
+        self._fall_back(e)
+        self._impl.run(spec, n, s_len, base)
+    return True
+
+  # -- internals --------------------------------------------------------------
+
+  def _unsupported(self, spec) -> str | None:
+    """Why the hook declines this configuration, or None."""
+    if getattr(spec, "draft_logits", None) is None:
+      return "greedy drafting (spec.draft_logits is None)"
+    if getattr(spec.model, "draft_id_to_target_id", None) is not None:
+      return "a reduced draft vocabulary (spec.model.draft_id_to_target_id)"
+    conf = getattr(spec, "confidence_config", None)
+    if conf is not None and getattr(conf, "enabled", False):
+      return "the confidence head (spec.confidence_config.enabled)"
+    return None
+
+  def _set_device(self, device: torch.device):
+    if device != self._device:
+      # Everything cached was validated against the old device.
+      self._checked.clear()
+      self._device = device
+      self._impl.reset(device)
+
+  def _num_steps(self, spec) -> int:
+    s_len = getattr(spec, "num_speculative_steps", None)
+    if isinstance(s_len, bool) or not isinstance(s_len, (int, np.integer)) \
+        or s_len < 1:
+      raise BridgeInputError(
+          f"spec.num_speculative_steps: expected an int >= 1, got {s_len!r}")
+    return int(s_len)
+
+  def check_buffer(self, name: str, t, s_len: int, *, force: bool = False,
+                   aligned: bool = False) -> None:
+    """Checks a spec buffer against its rule, once per buffer identity."""
+    key = checks.tensor_key(t) if isinstance(t, torch.Tensor) else None
+    if not force and key is not None and self._checked.get(name) == key:
+      return
+    rules = self._rules.get(s_len)
+    if rules is None:
+      rules = self._rules[s_len] = checks.rules(
+          self.max_num_reqs, s_len, self.vocab_size, self.rank, self.dtype)
+    checks.check(name, t, rules[name], self._device, aligned=aligned)
+    self._checked[name] = key
+
+  def _base_logits(self, spec, n: int, s_len: int, head_hidden):
+    """The base logits [n, S, V], computed as the reference hook does."""
+    vocab = self.vocab_size
+    rows = n * s_len
+    self.check_buffer("spec.sample_indices", spec.sample_indices, s_len)
+    base = spec.model.compute_draft_logits(
+        head_hidden[spec.sample_indices[:rows]])
+    if (not isinstance(base, torch.Tensor) or base.device != self._device or
+        base.dtype not in checks.FLOATS or tuple(base.shape) != (rows, vocab)):
+      raise BridgeInputError(
+          f"spec.model.compute_draft_logits(...): expected "
+          f"{checks.dtype_names(checks.FLOATS)} [num_reqs * S = {rows}, "
+          f"vocab_size = {vocab}] on {self._device}, got "
+          f"{checks.describe(base)}")
+    return base.view(n, s_len, vocab) if base.is_contiguous() else \
+        base.reshape(n, s_len, vocab)

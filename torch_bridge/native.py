@@ -1,0 +1,262 @@
+"""The native runtime: jax_markov's Pallas kernels, compiled by triton, on torch's stream.
+
+JAX is the compiler only. Each Pallas kernel of a draft is lowered for CUDA
+(which works on any JAX backend, CPU included) to the Triton IR module that
+JAX would hand to XLA; the ``triton`` package compiles that module; the
+kernels then launch on torch's current stream with the torch tensors'
+pointers. A call makes no JAX device buffer, no DLPack exchange, no XLA
+executable, no host sync and no allocation, so it can be captured in a
+torch CUDA graph.
+
+A Pallas Triton kernel takes one pointer per operand, inputs then outputs; an
+output aliased to an input (``input_output_aliases``) gets the same buffer.
+Pointers must be 32-byte aligned (the IR declares ``tt.divisibility = 32``).
+
+The IR comes from a JAX internal (``jax._src.pallas.triton.lowering``): the
+tested JAX range is pinned in pyproject.toml, and :func:`available` says why
+the runtime cannot run where it cannot.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend
+
+_LOCK = threading.Lock()  # the capture patches a module attribute
+
+
+class BuildError(RuntimeError):
+  """A kernel could not be lowered to Triton IR or compiled by triton."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelIR:
+  """One Pallas kernel lowered to Triton IR.
+
+  Attributes:
+    name: the kernel's symbol.
+    ttir: the Triton IR module, as text.
+    grid: (x, y, z) programs.
+    num_warps, num_stages: the Triton launch parameters of the pallas_call.
+    num_inputs, num_outputs: its operands; the kernel takes one pointer per
+      operand, inputs first.
+    aliases: (input, output) pairs that share a buffer.
+  """
+  name: str
+  ttir: str
+  grid: tuple[int, int, int]
+  num_warps: int
+  num_stages: int
+  num_inputs: int
+  num_outputs: int
+  aliases: tuple[tuple[int, int], ...]
+
+  def to_json(self) -> dict:
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_json(cls, d: dict) -> "KernelIR":
+    return cls(d["name"], d["ttir"], tuple(d["grid"]), d["num_warps"],
+               d["num_stages"], d["num_inputs"], d["num_outputs"],
+               tuple(tuple(a) for a in d["aliases"]))
+
+
+def _pallas_calls(jaxpr) -> list:
+  """The pallas_call equations of a closed jaxpr, nested calls included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      found.append(eqn)
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          found.extend(_pallas_calls(sub.jaxpr))
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          found.extend(_pallas_calls(sub))
+  return found
+
+
+@contextlib.contextmanager
+def _capture_triton_modules():
+  """Records every Triton module that the Pallas lowering produces."""
+  from jax._src.pallas.triton import lowering  # pylint: disable=g-import-not-at-top
+  captured = []
+  original = lowering.lower_jaxpr_to_triton_module
+
+  def recording(*args, **kwargs):
+    result = original(*args, **kwargs)
+    captured.append((result.module.operation.get_asm(enable_debug_info=False),
+                     tuple(result.grid)))
+    return result
+
+  with _LOCK:
+    lowering.lower_jaxpr_to_triton_module = recording
+    try:
+      yield captured
+    finally:
+      lowering.lower_jaxpr_to_triton_module = original
+
+
+def lower_kernel(fn: Callable, *arg_specs: jax.ShapeDtypeStruct) -> KernelIR:
+  """Lowers ``fn``, which must run exactly one pallas_call, to Triton IR.
+
+  Args:
+    fn: a function of arrays that calls one Pallas (Triton) kernel; its
+      arguments reach the kernel in the order the kernel takes them.
+    *arg_specs: the shapes and dtypes of fn's arguments.
+
+  Returns:
+    The kernel's IR and launch parameters. Raises RuntimeError where the
+    lowering produced no or several kernels.
+  """
+  closed = jax.make_jaxpr(fn)(*arg_specs)
+  eqns = _pallas_calls(closed.jaxpr)
+  if len(eqns) != 1:
+    raise RuntimeError(f"expected one pallas_call, found {len(eqns)}")
+  params = eqns[0].params
+  compiler = params.get("compiler_params")
+  if isinstance(compiler, dict):  # older JAX: {"triton": CompilerParams}
+    compiler = compiler.get("triton")
+  num_warps = getattr(compiler, "num_warps", None) or 4
+  num_stages = getattr(compiler, "num_stages", None) or 3
+  with _capture_triton_modules() as captured:
+    jax.jit(fn).trace(*arg_specs).lower(lowering_platforms=("cuda",))
+  if len(captured) != 1:
+    raise RuntimeError(f"expected one Triton module, lowered {len(captured)}")
+  ttir, grid = captured[0]
+  grid = tuple(grid) + (1,) * (3 - len(grid))
+  name = ttir.split("tt.func public @", 1)[1].split("(", 1)[0]
+  return KernelIR(name=name, ttir=ttir, grid=grid, num_warps=num_warps,
+                  num_stages=num_stages, num_inputs=len(eqns[0].invars),
+                  num_outputs=len(eqns[0].outvars),
+                  aliases=tuple(params["input_output_aliases"]))
+
+
+def versions() -> dict:
+  """What a lowered and compiled kernel depends on besides its arguments."""
+  import jaxlib  # pylint: disable=g-import-not-at-top
+  try:
+    import triton  # pylint: disable=g-import-not-at-top
+    triton_version = triton.__version__
+  except ImportError:
+    triton_version = None
+  from jax_markov import __version__  # pylint: disable=g-import-not-at-top
+  return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "triton": triton_version, "jax_markov": __version__}
+
+
+def cache_dir() -> str:
+  """Where lowered kernels are kept: $JAX_MARKOV_CACHE_DIR, else ~/.cache."""
+  return os.environ.get("JAX_MARKOV_CACHE_DIR") or os.path.join(
+      os.path.expanduser("~"), ".cache", "jax_markov", "native")
+
+
+class IRCache:
+  """Lowered kernels on disk, keyed by everything that changes them.
+
+  The key hashes the caller's description of the kernel (its function,
+  shapes, dtypes and static configuration) with :func:`versions`. Triton
+  keeps the compiled binaries in its own cache (keyed by the IR), so a
+  restarted engine neither lowers nor compiles again.
+  """
+
+  def __init__(self, directory: str | None = None):
+    self.directory = directory or cache_dir()
+    self.hits = 0
+    self.misses = 0
+
+  def key(self, description: Any) -> str:
+    blob = json.dumps([description, versions()], sort_keys=True, default=repr)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+  def get_or_lower(self, description: Any, fn: Callable,
+                   *arg_specs) -> tuple[KernelIR, str]:
+    """The kernel's IR and the path of its .ttir file (written if missing)."""
+    key = self.key(description)
+    meta_path = os.path.join(self.directory, key + ".json")
+    ttir_path = os.path.join(self.directory, key + ".ttir")
+    try:
+      with open(meta_path) as f:
+        ir = KernelIR.from_json(json.load(f))
+      if os.path.exists(ttir_path):
+        self.hits += 1
+        return ir, ttir_path
+    except (OSError, ValueError, KeyError, TypeError):
+      pass
+    self.misses += 1
+    ir = lower_kernel(fn, *arg_specs)
+    os.makedirs(self.directory, exist_ok=True)
+    # Written under a temporary name first: a concurrent reader never sees a
+    # partial file.
+    for path, text in ((ttir_path, ir.ttir),
+                       (meta_path, json.dumps(ir.to_json()))):
+      tmp = f"{path}.{os.getpid()}.tmp"
+      with open(tmp, "w") as f:
+        f.write(text)
+      os.replace(tmp, path)
+    return ir, ttir_path
+
+
+def compile_kernel(ir: KernelIR, ttir_path: str, capability: tuple[int, int]):
+  """Compiles a lowered kernel with the triton package for a CUDA GPU."""
+  import triton  # pylint: disable=g-import-not-at-top
+  from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
+  target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
+  return triton.compile(ttir_path, target=target,
+                        options={"num_warps": ir.num_warps,
+                                 "num_stages": ir.num_stages})
+
+
+def available() -> tuple[bool, str]:
+  """Whether the native runtime can run here, and why not if it cannot."""
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return False, "torch is not installed"
+  if not torch.cuda.is_available():
+    return False, "no CUDA device is visible to torch"
+  try:
+    import triton  # pylint: disable=g-import-not-at-top,unused-import
+    from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError as e:
+    return False, f"the triton package is not importable ({e})"
+  try:
+    from jax._src.pallas.triton import lowering  # pylint: disable=g-import-not-at-top
+    lowering.lower_jaxpr_to_triton_module  # noqa: B018
+  except (ImportError, AttributeError) as e:
+    return False, (f"this JAX ({jax.__version__}) has no Pallas Triton "
+                   f"lowering to read the IR from ({e})")
+  return True, "CUDA, triton and the Pallas Triton lowering are available"
+
+
+@dataclasses.dataclass
+class Launch:
+  """One kernel launch of a plan: the compiled kernel and its pointers.
+
+  ``args`` holds an int pointer per operand (inputs, then outputs) or the
+  name of a buffer the call supplies (looked up in the call's bindings).
+  """
+  ir: KernelIR
+  runner: Any
+  args: list
+
+  def __post_init__(self):
+    if len(self.args) != self.ir.num_inputs + self.ir.num_outputs:
+      raise RuntimeError(
+          f"{self.ir.name}: {len(self.args)} pointers for {self.ir.num_inputs} "
+          f"inputs and {self.ir.num_outputs} outputs")
+
+
+def run_plan(launches: Sequence[Launch], bindings: dict, stream: int) -> None:
+  """Launches a plan's kernels in order on ``stream``."""
+  for launch in launches:
+    args = [bindings[a] if isinstance(a, str) else a for a in launch.args]
+    launch.runner(*args, stream=stream)

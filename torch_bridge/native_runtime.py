@@ -1,0 +1,135 @@
+"""The native runtime of the hook: a draft is kernel launches on torch's stream.
+
+What a call does: the base logits (torch, ``model.compute_draft_logits``),
+copied into the bucket's padded buffer only when num_reqs is not a bucket;
+then the bucket's plan (native_plan.py): ``draw_params`` and one or two
+kernels a step, writing ``spec.draft_logits.values`` in place; then one
+copy of the int32 tokens into ``spec.draft_tokens``. Nothing is allocated
+(the scratch is made at warmup for ``max_num_reqs``), nothing waits for the
+device, and every launch uses torch's current stream, so the whole call can
+be captured in a torch CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_bridge import buckets as _buckets
+from torch_bridge import checks
+from torch_bridge import native
+from torch_bridge import native_plan
+from jax_markov.kernels.draw_params import ParamsLayout
+
+# Buffers the kernels read, by the name the plans bind them to.
+_BUFFERS = (
+    ("embed", checks.W1, lambda s: s.model.model.markov_head.markov_w1.weight),
+    ("proj", checks.W2, lambda s: s.model.model.markov_head.markov_w2.weight),
+    ("idx", "spec.sample_idx_mapping", lambda s: s.sample_idx_mapping),
+    ("pos", "spec.sample_pos", lambda s: s.sample_pos),
+    ("temperature", "spec.temperature", lambda s: s.temperature),
+    ("seeds", "spec.seeds", lambda s: s.seeds),
+    ("ids", "spec.input_buffers.input_ids", lambda s: s.input_buffers.input_ids),
+    ("anchor_idx", "spec._anchor_idx", lambda s: s._anchor_idx),  # noqa: SLF001
+    ("cache", checks.CACHE, lambda s: checks.cache_tensor(s.draft_logits)),
+)
+_WORDS = ("idx", "pos", "seeds", "ids", "anchor_idx")
+
+
+def _words(t: torch.Tensor) -> int:
+  return t.numel() * (2 if t.dtype == torch.int64 else 1)
+
+
+class NativeRuntime:
+  """Runs a hook's draft as compiled Pallas kernels (see the module docstring).
+
+  Each (request, step) draws with the temperature and seed of its own state
+  row, exactly as ``jm.sample_draft_into``.
+  """
+
+  name = "native"
+  capturable = True
+  one_row_per_request = False
+
+  def __init__(self, hook, ir_cache: native.IRCache):
+    self.hook = hook
+    self.ir_cache = ir_cache
+    self._plans: dict[native_plan.DraftShape, native_plan.DraftPlans] = {}
+    self._bound: tuple | None = None  # (identity of the buffers, bindings)
+    self._device = None
+    # The scratch is shared by every call: a call on another stream than the
+    # last one waits for the last one's kernels first.
+    self._last_stream = None
+    self._done = None
+
+  def reset(self, device: torch.device) -> None:
+    self._plans.clear()
+    self._bound = None
+    self._device = device
+
+  def _shape(self, spec, s_len: int, base_dtype) -> native_plan.DraftShape:
+    t = {name: get(spec) for name, _, get in _BUFFERS}
+    layout = ParamsLayout(**{f"{k}_wide": t[k].dtype == torch.int64
+                             for k in _WORDS})
+    return native_plan.DraftShape(
+        max_num_reqs=self.hook.max_num_reqs, steps=s_len,
+        vocab=self.hook.vocab_size, rank=self.hook.rank,
+        vocab_in=t["embed"].shape[0], base_dtype=base_dtype,
+        head_dtype=self.hook.dtype, temperature_dtype=t["temperature"].dtype,
+        words=tuple((k, _words(t[k])) for k in _WORDS), layout=layout)
+
+  def plans(self, spec, s_len: int, base_dtype) -> native_plan.DraftPlans:
+    shape = self._shape(spec, s_len, base_dtype)
+    plans = self._plans.get(shape)
+    if plans is None:
+      plans = native_plan.DraftPlans(shape, self.hook.buckets, self._device,
+                                     self.ir_cache)
+      self._plans[shape] = plans
+    return plans
+
+  def warmup(self, spec, s_len: int, base_dtype) -> int:
+    self._bindings(spec, s_len)
+    plans = self.plans(spec, s_len, base_dtype)
+    for bp in self.hook.buckets:
+      plans.plan(bp)
+    return len(self.hook.buckets)
+
+  def _bindings(self, spec, s_len: int) -> dict:
+    """Pointers of the spec's buffers, checked once per buffer identity."""
+    tensors = [get(spec) for _, _, get in _BUFFERS]
+    key = tuple(checks.tensor_key(t) if isinstance(t, torch.Tensor) else id(t)
+                for t in tensors)
+    if self._bound is not None and self._bound[0] == key:
+      return self._bound[1]
+    for (_, attr, _), t in zip(_BUFFERS, tensors):
+      self.hook.check_buffer(attr, t, s_len, force=True, aligned=True)
+    bindings = {name: t.data_ptr() for (name, _, _), t in zip(_BUFFERS,
+                                                              tensors)}
+    self._bound = (key, bindings)
+    return bindings
+
+  def run(self, spec, n: int, s_len: int, base: torch.Tensor) -> None:
+    """Drafts for n requests from base [n, S, V]; writes tokens and cache."""
+    bindings = self._bindings(spec, s_len)
+    plans = self.plans(spec, s_len, base.dtype)
+    bp = _buckets.bucket_for(self.hook.buckets, n)
+    if bp != n or not base.is_contiguous() or base.data_ptr() % checks.ALIGN:
+      # Rows past n hold stale logits of earlier calls: padding, which the
+      # kernels read but never write from.
+      plans.pad[:n].copy_(base)
+      base = plans.pad
+    launches = plans.plan(bp)
+    bindings = {**bindings, "base": base.data_ptr(),
+                "count": plans.counts[n].data_ptr()}
+    stream = torch.cuda.current_stream(self._device)
+    capturing = torch.cuda.is_current_stream_capturing()
+    if (self._done is not None and stream != self._last_stream
+        and not capturing):
+      stream.wait_event(self._done)
+    native.run_plan(launches, bindings, stream.cuda_stream)
+    spec.draft_tokens[:n, :s_len].copy_(
+        plans.tokens[:n * s_len].view(n, s_len))
+    if not capturing:  # events recorded in a capture belong to the graph
+      if self._done is None:
+        self._done = torch.cuda.Event()
+      self._done.record(stream)
+      self._last_stream = stream
