@@ -296,6 +296,27 @@ def test_gpu_fallback_when_compilation_fails(monkeypatch, tmp_path):
   chex.assert_shape(spec.draft_tokens.cpu().numpy(), (8, 3))
 
 
+
+def test_native_runtime_reads_the_spec_layout(tmp_path):
+  """The host side of the native runtime (no GPU needed): the compile shape
+  a spec's buffers give, and that it lowers."""
+  from torch_bridge import native_runtime
+  spec = sd.SpeculatorDouble(max_num_reqs=4, num_steps=2, vocab=32, rank=4,
+                             idx_dtype=torch.int64)
+  hook = tb.FusedMarkovSampler(4, 32, 4, torch.float32, runtime="jax")
+  cache = native.IRCache(str(tmp_path))
+  runtime = native_runtime.NativeRuntime(hook, cache)
+  shape = runtime._shape(spec, 2, torch.bfloat16)  # pylint: disable=protected-access
+  assert shape.layout == ParamsLayout(idx_wide=True, pos_wide=True,
+                                      seeds_wide=True, ids_wide=False,
+                                      anchor_idx_wide=True)
+  assert dict(shape.words) == {"idx": 16, "pos": 16, "seeds": 8,
+                               "ids": spec.num_tokens, "anchor_idx": 8}
+  assert shape.vocab_in == 37 and shape.base_dtype == torch.bfloat16
+  assert set(native_plan.lower_bucket(shape, 4, cache)) >= {"draw_params",
+                                                            "block_pass"}
+
+
 for _name in list(globals()):
   if _name.startswith("test_gpu_"):
     _fn = globals()[_name]
