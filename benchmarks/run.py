@@ -31,7 +31,7 @@ up to torch.cuda.synchronize()); the result is the median over groups of the
 per-call time. Inputs smaller than twice the L2 cache are replicated and the
 calls rotate through the copies, so no call reads operands left in L2.
 
-Usage: ``python -m jax_markov bench [options]`` or ``python -m benchmarks.run``.
+Usage: ``python -m benchmarks [options]`` from the repository root.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m jax_markov bench",
+      prog="python -m benchmarks",
       description="Time the S-step Markov sampling: jax_markov, the torch "
       "bridge, the reference Triton design, vLLM's loop and plain JAX, "
       "against the HBM floor.")
@@ -196,8 +196,7 @@ def _run_worker(fam, cfg, workdir, progress, notices):
   cfg_path = os.path.join(workdir, f"{fam}.config.json")
   res_path = os.path.join(workdir, f"{fam}.result.json")
   common.write_json(cfg_path, cfg)
-  env = dict(os.environ)
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env = dict(os.environ)  # ``-m`` from ROOT: this checkout's packages
   if fam == "bridge":
     # torch and JAX share the GPU: JAX must not grab 75% of it up front.
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"

@@ -8,7 +8,6 @@ drawn at the step before).
 
 import json
 import os
-import sys
 
 import chex
 import jax
@@ -16,18 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# benchmarks/ is a top-level folder of the repository, not part of the package.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from benchmarks import common  # noqa: E402
-from benchmarks import report  # noqa: E402
-from benchmarks import run  # noqa: E402
-from benchmarks.baselines import plain_jax  # noqa: E402
-from jax_markov import reference, rng  # noqa: E402
-from jax_markov.head import MarkovHead  # noqa: E402
-from jax_markov.kernels import tuning  # noqa: E402
+from benchmarks import common
+from benchmarks import report
+from benchmarks import run
+from benchmarks.baselines import plain_jax
+from jax_markov import reference, rng
+from jax_markov.head import MarkovHead
+from jax_markov.kernels import tuning
 
 TINY = common.Shape("t", "t", V=300, R=16, S=3)
 
