@@ -1,7 +1,10 @@
-"""The benchmark report: docs/benchmarks.md and .png from the results JSON.
+"""The benchmark report: docs/benchmarks.md (and, asked for, a .png plot)
+from the results JSON.
 
 Usage: ``python -m benchmarks.report benchmarks/results/<device>.json
-[--docs-dir docs]`` (``python -m benchmarks`` calls it after a full run).
+[--docs-dir docs] [--plot]`` (``python -m benchmarks`` calls it after a full
+run). The plot is not committed (over 100 KB at every resolution that stays
+readable); ``--plot`` writes it for a local look.
 """
 
 from __future__ import annotations
@@ -57,8 +60,9 @@ METHOD = """\
 Method: each family runs in its own process (JAX; torch + Triton; the bridge).
 Warm-up calls (at least 3 and 0.2 s of them, so an idle GPU's clocks are up),
 then groups of back-to-back calls, each group timed with CUDA
-events (torch) or with `perf_counter` up to `block_until_ready` of the group's
-last result (JAX; the bridge up to `torch.cuda.synchronize()`); the time is
+events (torch; the bridge's native runtime) or with `perf_counter` up to
+`block_until_ready` of the group's last result (JAX; the bridge's JAX runtime
+up to `torch.cuda.synchronize()`); the time is
 the median over groups of the per-call time. Inputs smaller than twice the L2
 cache are replicated and the calls rotate through the copies. jax_markov is
 called with `check_values=False` (no host read-back of the inputs per call).
@@ -216,11 +220,12 @@ def plot(rows, png_path) -> None:
   plt.close(fig)
 
 
-def markdown(rows, json_name: str, png_name: str) -> str:
+def markdown(rows, json_name: str, png_name: str | None = None) -> str:
   """The text of docs/benchmarks.md for these rows.
 
   json_name: the results file as the page should name it (relative to the
-  repository root); png_name: the plot's path relative to the page.
+  repository root); png_name: the plot's path relative to the page, or None
+  (no plot).
   """
   device = rows[0].get("device", "unknown")
   bws = sorted({r["copy_bw_gbs"] for r in rows if r.get("copy_bw_gbs")})
@@ -248,10 +253,13 @@ def markdown(rows, json_name: str, png_name: str) -> str:
       "same run |",
       "",
       METHOD,
-      f"![time against batch]({png_name})",
-      "",
-      "Each cell: median ms per S-step draft (that time over the HBM floor, "
-      f"over {REF_IMPL}).",
+  ] + ([f"![time against batch]({png_name})", ""] if png_name else []) + [
+      ("Each cell: median ms per S-step draft (that time over the HBM floor, "
+       f"over {REF_IMPL}: `x seed`)."
+       if any(r["impl"] == REF_IMPL for r in rows) else
+       "Each cell: median ms per S-step draft (that time over the HBM "
+       f"floor). {REF_IMPL}, the baseline speed claims are made against, is "
+       "not in these rows: ratios to it are to be measured."),
       "",
   ]
   for shape, temp, sub in _groups(rows):
@@ -287,8 +295,10 @@ def _display_path(path: str) -> str:
 KEEP_MARKER = "<!-- hand-written below: kept by benchmarks/report.py -->"
 
 
-def write_report(json_path: str, docs_dir: str) -> tuple[str, str]:
-  """Writes docs_dir/benchmarks.md and docs_dir/benchmarks.png.
+def write_report(json_path: str, docs_dir: str,
+                 with_plot: bool = False) -> tuple[str, str | None]:
+  """Writes docs_dir/benchmarks.md, and docs_dir/benchmarks.png with
+  ``with_plot``.
 
   A hand-written tail of an existing benchmarks.md, from KEEP_MARKER on, is
   kept.
@@ -299,33 +309,37 @@ def write_report(json_path: str, docs_dir: str) -> tuple[str, str]:
     docs_dir: output folder.
 
   Returns:
-    (markdown path, png path).
+    (markdown path, png path or None).
   """
   rows = _load(json_path)
   os.makedirs(docs_dir, exist_ok=True)
   md_path = os.path.join(docs_dir, "benchmarks.md")
-  png_path = os.path.join(docs_dir, "benchmarks.png")
+  png_path = os.path.join(docs_dir, "benchmarks.png") if with_plot else None
   kept = ""
   if os.path.exists(md_path):
     with open(md_path) as f:
       old = f.read()
     if KEEP_MARKER in old:
       kept = "\n" + old[old.index(KEEP_MARKER):]
-  plot(rows, png_path)
+  if png_path:
+    plot(rows, png_path)
   with open(md_path, "w") as f:
     f.write(markdown(rows, _display_path(json_path),
-                     os.path.basename(png_path)) + kept)
+                     os.path.basename(png_path) if png_path else None) + kept)
   return md_path, png_path
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.report")
   p.add_argument("json_path")
+  p.add_argument("--plot", action="store_true",
+                 help="also write benchmarks.png (not committed)")
   p.add_argument("--docs-dir", default=os.path.join(
       os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs"))
   args = p.parse_args(argv)
-  md, png = write_report(args.json_path, args.docs_dir)
-  print(f"wrote {md} and {png}")
+  md, png = write_report(args.json_path, args.docs_dir,
+                         with_plot=args.plot)
+  print(f"wrote {md}" + (f" and {png}" if png else ""))
   return 0
 
 

@@ -111,9 +111,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--quick", action="store_true",
                  help="smoke test: small shape, batches 1,4, few repeats")
   p.add_argument("--report", dest="report", action="store_true", default=None,
-                 help="write docs/benchmarks.md and .png (default: on, "
+                 help="write docs/benchmarks.md (default: on, "
                  "except with --quick)")
   p.add_argument("--no-report", dest="report", action="store_false")
+  p.add_argument("--plot", action="store_true",
+                 help="with the report, also write docs/benchmarks.png "
+                 "(matplotlib; not committed: over 100 KB)")
   p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"),
                  help="where the report goes (default: docs/)")
   # Internal: run one family in this process.
@@ -285,8 +288,9 @@ def _finish(args, merged, progress) -> int:
   on_cpu = "cpu" in merged["backends"].values()
   # By default only a full GPU run rewrites docs/benchmarks.md.
   if args.report if args.report is not None else not (args.quick or on_cpu):
-    md, png = report.write_report(out, args.docs_dir)
-    progress(f"wrote {md} and {png}")
+    md, png = report.write_report(out, args.docs_dir,
+                                 with_plot=args.plot)
+    progress(f"wrote {md}" + (f" and {png}" if png else ""))
   for m in merged["sampled_mismatches"]:
     print(f"note: sampled tokens (same uniforms) differ: {m}")
   if merged["mismatches"]:

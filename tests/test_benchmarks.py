@@ -266,7 +266,7 @@ def test_bench_quick_smoke(tmp_path, monkeypatch):
   out = tmp_path / "res.json"
   rc = run.main(["--quick", "--shapes", "tiny", "--batches", "2",
                  "--impls", "plain_jax,vllm_loop,vllm_loop_graph",
-                 "--repeats", "2", "--out", str(out), "--report",
+                 "--repeats", "2", "--out", str(out), "--report", "--plot",
                  "--docs-dir", str(tmp_path / "docs")])
   assert rc == 0
   rows = json.loads(out.read_text())
@@ -296,7 +296,8 @@ def test_report_ratios_and_plot(tmp_path):
                        **({"host_ms": 0.05} if impl == "jax_markov" else {})))
   path = tmp_path / "r.json"
   path.write_text(json.dumps(rows))
-  md_path, png_path = report.write_report(str(path), str(tmp_path))
+  md_path, png_path = report.write_report(str(path), str(tmp_path),
+                                          with_plot=True)
   md = open(md_path).read()
   assert ("| 4 | 0.400 | 0.800 (2.00x fl, 0.80x seed) | "
           "1.000 (2.50x fl, 1.00x seed) |") in md
@@ -304,6 +305,9 @@ def test_report_ratios_and_plot(tmp_path):
   assert "| B | jax_markov |\n| ---: | ---: |\n| 1 | 50 |" in md
   assert os.path.getsize(png_path) > 1000
   assert "jax_markov" in report.text_summary(rows)
+  # Without the plot (the default): no image, and no link to one.
+  md_path, png_path = report.write_report(str(path), str(tmp_path / "np"))
+  assert png_path is None and "![" not in open(md_path).read()
 
 
 class _FakeRunner:
