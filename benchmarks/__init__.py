@@ -1,5 +1,6 @@
 """Benchmarks of the S-step Markov sampling: jax_markov against its baselines.
 
-Run ``python -m jax_markov bench`` (or ``python -m benchmarks.run``); see
-:mod:`benchmarks.run` for the options and docs/benchmarks.md for the results.
+Run ``python -m benchmarks`` from the repository root (benchmarks/ is not part
+of the wheel); see :mod:`benchmarks.run` for the options and docs/benchmarks.md
+for the results.
 """

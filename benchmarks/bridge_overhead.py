@@ -24,7 +24,7 @@ buffer donation can update a DLPack-imported torch buffer in place.
 
 Run from the repository root on the GPU machine:
 
-  python benchmarks/bridge_overhead.py \
+  python -m benchmarks.bridge_overhead \
       --out benchmarks/results/bridge_overhead.json
 
 Options: --batches 1 64 48 (48 pads to the bucket 64), --vocab, --rank,
@@ -42,7 +42,6 @@ import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path[:0] = [_ROOT]
 
 # torch_bridge first: it sets XLA_PYTHON_CLIENT_PREALLOCATE before JAX starts.
 import torch_bridge as tb  # pylint: disable=g-import-not-at-top
@@ -279,9 +278,10 @@ def main():
   report["fast_import"] = tbdl._fast_import_ok
   report["fast_export"] = tbdl._fast_export_ok
   if a.probe_donation:
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__),
-                           "--probe-donation-only"], capture_output=True,
-                          text=True, timeout=300, check=False)
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.bridge_overhead",
+                           "--probe-donation-only"], cwd=_ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          check=False)
     lines = proc.stdout.strip().splitlines()
     try:
       report["donation_probe"] = json.loads(lines[-1])

@@ -11,7 +11,7 @@ This script compiles the sampler's jitted draft once per option set and times
 the sets round robin in one process (host speed drifts between processes),
 with the same inputs, checking that every set draws the same tokens:
 
-    python benchmarks/command_buffers.py --batches 1 4 16 64 256
+    python -m benchmarks.command_buffers --batches 1 4 16 64 256
 
 Per batch and option set: the median wall time per draft over groups of
 ``--group`` back-to-back calls (as the benchmark times it), and the median
@@ -28,8 +28,6 @@ import time
 
 import jax
 import numpy as np
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax_markov as jm  # noqa: E402
 from benchmarks import common  # noqa: E402

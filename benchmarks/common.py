@@ -70,18 +70,26 @@ DEFAULT_TEMPERATURES = (0.0, 1.0)
 FAMILIES = {
     "jax_markov": "jax",
     "plain_jax": "jax",
-    "reference_triton": "torch",
-    "reference_triton_graph": "torch",
+    # vLLM's FusedMarkovSampler as it is: what speed claims are made against.
+    "seed_design": "torch",
+    "seed_design_graph": "torch",
+    # A float32-bias variant of it (the bias round-trips HBM in float32).
+    "f32_bias_design": "torch",
+    "f32_bias_design_graph": "torch",
     "vllm_loop": "torch",
     "vllm_loop_graph": "torch",
     "torch_bridge": "bridge",
-    # Not in the defaults: jax_markov forced to the reference design's method
-    # (bias GEMM in XLA, then the block pass), for issue comparisons.
+    "torch_bridge_graph": "bridge",
+    # Not in the defaults: jax_markov forced to the two-pass method (bias
+    # GEMM in XLA, then the block pass), for issue comparisons.
     "jax_markov_reference": "jax",
 }
-IMPLS = ("jax_markov", "torch_bridge", "reference_triton",
-         "reference_triton_graph", "vllm_loop", "vllm_loop_graph", "plain_jax")
+IMPLS = ("jax_markov", "torch_bridge", "torch_bridge_graph", "seed_design",
+         "seed_design_graph", "f32_bias_design", "f32_bias_design_graph",
+         "vllm_loop", "vllm_loop_graph", "plain_jax")
 ALL_IMPLS = IMPLS + ("jax_markov_reference",)
+# The baseline every speed claim is made against (report ratios, README).
+BASELINE_IMPL = "seed_design_graph"
 # Families run in this order; the first one's temperature-0 tokens are the
 # ones the later ones are checked against (jax_markov first when it runs).
 FAMILY_ORDER = ("jax", "torch", "bridge")
@@ -283,6 +291,25 @@ def wall_clock_median(run: Callable[[int], None], repeats: int,
     run(count)
     return (time.perf_counter() - t0) * 1e3
   return median_of_groups(group_ms, repeats, group)
+
+
+def host_call_median_ms(calls, count: int,
+                        sync: Callable[[], None]) -> float:
+  """Median host time of one call, in milliseconds.
+
+  perf_counter around each call without synchronizing after it: what the
+  caller's thread spends issuing the call. ``sync`` drains the device queue
+  before each call (outside the timed span), so a full launch queue never
+  blocks the call being timed.
+  """
+  times = []
+  for k in range(max(1, count)):
+    sync()
+    t0 = time.perf_counter()
+    calls[k % len(calls)]()
+    times.append(time.perf_counter() - t0)
+  sync()
+  return statistics.median(times) * 1e3
 
 
 def write_json(path: str, obj) -> None:

@@ -2,7 +2,7 @@
 
   ncu --clock-control none -k regex:markov --launch-skip 16 --launch-count 2 \
       --section SpeedOfLight --section LaunchStats --section Occupancy \
-      python benchmarks/profile_draft.py --shape dsv4 --batch 256
+      python -m benchmarks.profile_draft --shape dsv4 --batch 256
 
 The first draft compiles; with S = 7 the fused method launches 2 Pallas
 kernels a step, so skipping 2 * S + 2 launches lands on step 1 of the second
@@ -19,8 +19,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax_markov as jm  # noqa: E402
 from benchmarks import common  # noqa: E402

@@ -1,7 +1,10 @@
-"""The benchmark report: docs/benchmarks.md and .png from the results JSON.
+"""The benchmark report: docs/benchmarks.md (and, asked for, a .png plot)
+from the results JSON.
 
 Usage: ``python -m benchmarks.report benchmarks/results/<device>.json
-[--docs-dir docs]`` (``python -m jax_markov bench`` calls it after a full run).
+[--docs-dir docs] [--plot]`` (``python -m benchmarks`` calls it after a full
+run). The plot is not committed (over 100 KB at every resolution that stays
+readable); ``--plot`` writes it for a local look.
 """
 
 from __future__ import annotations
@@ -12,9 +15,11 @@ import json
 import os
 import sys
 
-from benchmarks.common import ALL_IMPLS, SHAPES
+from benchmarks.common import ALL_IMPLS, BASELINE_IMPL, SHAPES
 
-REF_IMPL = "reference_triton_graph"
+# Every ratio (and every speed claim) is against vLLM's sampler as it is,
+# captured in a CUDA graph.
+REF_IMPL = BASELINE_IMPL
 
 INTRO = """\
 What is timed: the whole S-step draft from given base logits (the backbone
@@ -26,13 +31,22 @@ per request, on one GPU, in one run.
 DESCRIPTIONS = {
     "jax_markov": "`jm.sample_draft`: Pallas kernels, all steps in one jitted "
                   "call",
-    "torch_bridge": "`torch_bridge.FusedMarkovSampler` end to end from torch "
-                    "tensors (speculator double; the base logits are "
-                    "preallocated)",
-    "reference_triton": "the reference design: bias GEMM (cuBLAS, float32 "
-                        "out) + Triton block pass + Triton select pass "
-                        "(inverse CDF) a step, scratch preallocated; eager",
-    "reference_triton_graph": "the same, captured in a CUDA graph",
+    "torch_bridge": "`torch_bridge.FusedMarkovSampler` (the speculator "
+                    "hook) eager, end to end from torch tensors (speculator "
+                    "double; the base logits are preallocated); `host_ms`: "
+                    "host time of one call",
+    "torch_bridge_graph": "the same hook captured in a CUDA graph per batch "
+                          "size, replayed (native runtime only)",
+    "seed_design": "vLLM's FusedMarkovSampler as it is: nn.Linear bias (bf16 "
+                   "[B, V]) + Triton block kernel (1024-wide blocks, 2 warps) "
+                   "+ Triton select kernel (inverse CDF) a step, scratch "
+                   "preallocated; eager; `host_ms`: host time of one call",
+    "seed_design_graph": "the same, captured in a CUDA graph: the baseline "
+                         "(`x seed`)",
+    "f32_bias_design": "a float32-bias variant: bias GEMM (cuBLAS, float32 "
+                       "[B, V] out, through HBM) + Triton block pass + Triton "
+                       "select pass a step, block chosen per batch; eager",
+    "f32_bias_design_graph": "the same, captured in a CUDA graph",
     "vllm_loop": "vLLM's unfused loop: embedding, linear, add, cache write, "
                  "Gumbel-max draw; eager torch",
     "vllm_loop_graph": "the same, captured in a CUDA graph",
@@ -46,8 +60,9 @@ METHOD = """\
 Method: each family runs in its own process (JAX; torch + Triton; the bridge).
 Warm-up calls (at least 3 and 0.2 s of them, so an idle GPU's clocks are up),
 then groups of back-to-back calls, each group timed with CUDA
-events (torch) or with `perf_counter` up to `block_until_ready` of the group's
-last result (JAX; the bridge up to `torch.cuda.synchronize()`); the time is
+events (torch; the bridge's native runtime) or with `perf_counter` up to
+`block_until_ready` of the group's last result (JAX; the bridge's JAX runtime
+up to `torch.cuda.synchronize()`); the time is
 the median over groups of the per-call time. Inputs smaller than twice the L2
 cache are replicated and the calls rotate through the copies. jax_markov is
 called with `check_values=False` (no host read-back of the inputs per call).
@@ -107,13 +122,29 @@ def _table(rows):
       if floor:
         parts.append(f"{ms / floor:.2f}x fl")
       if ref is not None:
-        parts.append(f"{ms / ref['median_ms']:.2f}x ref")
+        parts.append(f"{ms / ref['median_ms']:.2f}x seed")
       txt = f"{ms:.3f}" + (f" ({', '.join(parts)})" if parts else "")
       if r.get("tokens_match") is False:
         txt += " **tokens differ**"
       cells.append(txt)
     floor_txt = f"{floor:.3f}" if floor else "n/a"
     lines.append(f"| {b} | {floor_txt} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _host_table(rows) -> str:
+  """Markdown table batch x impl of ``host_ms`` (us), or "" if none."""
+  host = [r for r in rows if r.get("host_ms") is not None]
+  if not host:
+    return ""
+  impls = _impls(host)
+  cell = {(r["batch"], r["impl"]): r["host_ms"] for r in host}
+  lines = ["| B | " + " | ".join(impls) + " |",
+           "| ---: | " + " | ".join("---:" for _ in impls) + " |"]
+  for b in sorted({r["batch"] for r in host}):
+    lines.append(f"| {b} | " + " | ".join(
+        f"{cell[(b, i)] * 1e3:.0f}" if (b, i) in cell else "" for i in impls)
+        + " |")
   return "\n".join(lines)
 
 
@@ -185,15 +216,16 @@ def plot(rows, png_path) -> None:
   fig.legend(list(handles.values()), list(handles.keys()),
              loc="lower center", ncol=min(4, len(handles)), fontsize=8)
   fig.tight_layout(rect=(0, 0.06 + 0.02 * (len(handles) > 4), 1, 1))
-  fig.savefig(png_path, dpi=110)
+  fig.savefig(png_path, dpi=60)  # a small file: the page is committed
   plt.close(fig)
 
 
-def markdown(rows, json_name: str, png_name: str) -> str:
+def markdown(rows, json_name: str, png_name: str | None = None) -> str:
   """The text of docs/benchmarks.md for these rows.
 
   json_name: the results file as the page should name it (relative to the
-  repository root); png_name: the plot's path relative to the page.
+  repository root); png_name: the plot's path relative to the page, or None
+  (no plot).
   """
   device = rows[0].get("device", "unknown")
   bws = sorted({r["copy_bw_gbs"] for r in rows if r.get("copy_bw_gbs")})
@@ -201,7 +233,7 @@ def markdown(rows, json_name: str, png_name: str) -> str:
   lines = [
       "# Benchmarks",
       "",
-      f"Generated by `python -m jax_markov bench` on **{device}** "
+      f"Generated by `python -m benchmarks` on **{device}** "
       f"({datetime.date.today().isoformat()}) from "
       f"`{json_name}`"
       + (f"; copy bandwidth measured in the same run: {bw / 1e3:.2f} TB/s."
@@ -221,19 +253,27 @@ def markdown(rows, json_name: str, png_name: str) -> str:
       "same run |",
       "",
       METHOD,
-      f"![time against batch]({png_name})",
-      "",
-      "Each cell: median ms per S-step draft (that time over the HBM floor, "
-      f"over {REF_IMPL}).",
+  ] + ([f"![time against batch]({png_name})", ""] if png_name else []) + [
+      ("Each cell: median ms per S-step draft (that time over the HBM floor, "
+       f"over {REF_IMPL}: `x seed`)."
+       if any(r["impl"] == REF_IMPL for r in rows) else
+       "Each cell: median ms per S-step draft (that time over the HBM "
+       f"floor). {REF_IMPL}, the baseline speed claims are made against, is "
+       "not in these rows: ratios to it are to be measured."),
       "",
   ]
   for shape, temp, sub in _groups(rows):
     lines += [f"## {_shape_title(shape, sub)}, temperature {temp:g}", "",
               _table(sub), ""]
+    host = _host_table(sub)
+    if host:
+      lines += ["Host time of one eager call (perf_counter around the call, "
+                "no synchronize; median us):", "", host, ""]
   notes = sorted({f"{r['impl']}: {r['note']}" for r in rows if r.get("note")})
+
   gemm = sorted({r["bias_gemm"] for r in rows if r.get("bias_gemm")})
   if gemm:
-    notes.append(f"reference_triton bias GEMM: {', '.join(gemm)}")
+    notes.append(f"f32_bias_design bias GEMM: {', '.join(gemm)}")
   bad = [r for r in rows if r.get("tokens_match") is False]
   if bad:
     notes.append(f"{len(bad)} rows drew temperature-0 tokens that differ from "
@@ -255,8 +295,10 @@ def _display_path(path: str) -> str:
 KEEP_MARKER = "<!-- hand-written below: kept by benchmarks/report.py -->"
 
 
-def write_report(json_path: str, docs_dir: str) -> tuple[str, str]:
-  """Writes docs_dir/benchmarks.md and docs_dir/benchmarks.png.
+def write_report(json_path: str, docs_dir: str,
+                 with_plot: bool = False) -> tuple[str, str | None]:
+  """Writes docs_dir/benchmarks.md, and docs_dir/benchmarks.png with
+  ``with_plot``.
 
   A hand-written tail of an existing benchmarks.md, from KEEP_MARKER on, is
   kept.
@@ -267,33 +309,37 @@ def write_report(json_path: str, docs_dir: str) -> tuple[str, str]:
     docs_dir: output folder.
 
   Returns:
-    (markdown path, png path).
+    (markdown path, png path or None).
   """
   rows = _load(json_path)
   os.makedirs(docs_dir, exist_ok=True)
   md_path = os.path.join(docs_dir, "benchmarks.md")
-  png_path = os.path.join(docs_dir, "benchmarks.png")
+  png_path = os.path.join(docs_dir, "benchmarks.png") if with_plot else None
   kept = ""
   if os.path.exists(md_path):
     with open(md_path) as f:
       old = f.read()
     if KEEP_MARKER in old:
       kept = "\n" + old[old.index(KEEP_MARKER):]
-  plot(rows, png_path)
+  if png_path:
+    plot(rows, png_path)
   with open(md_path, "w") as f:
     f.write(markdown(rows, _display_path(json_path),
-                     os.path.basename(png_path)) + kept)
+                     os.path.basename(png_path) if png_path else None) + kept)
   return md_path, png_path
 
 
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.report")
   p.add_argument("json_path")
+  p.add_argument("--plot", action="store_true",
+                 help="also write benchmarks.png (not committed)")
   p.add_argument("--docs-dir", default=os.path.join(
       os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs"))
   args = p.parse_args(argv)
-  md, png = write_report(args.json_path, args.docs_dir)
-  print(f"wrote {md} and {png}")
+  md, png = write_report(args.json_path, args.docs_dir,
+                         with_plot=args.plot)
+  print(f"wrote {md}" + (f" and {png}" if png else ""))
   return 0
 
 

@@ -4,13 +4,25 @@ Times, on one device, the whole S-step draft from given base logits (the
 backbone forward is not timed) for each implementation:
 
   jax_markov              jm.sample_draft, one jitted call for all steps
-  torch_bridge            torch_bridge.FusedMarkovSampler, end to end from
-                          torch tensors (through a speculator double)
-  reference_triton        bias GEMM + Triton block and select passes, eager
-  reference_triton_graph  the same captured in a CUDA graph
+  torch_bridge            torch_bridge.FusedMarkovSampler (the speculator
+                          hook), eager, end to end from torch tensors through
+                          torch_bridge.testing's speculator double
+  torch_bridge_graph      the same hook captured in a torch.cuda.CUDAGraph
+                          per batch size and replayed (native runtime only)
+  seed_design             vLLM's FusedMarkovSampler as it is: nn.Linear bias
+                          (bf16) + Triton block and select kernels, eager
+  seed_design_graph       the same captured in a CUDA graph: THE baseline
+                          speed claims are made against
+  f32_bias_design         a float32-bias variant (bias GEMM to a float32
+                          [B, V] buffer in HBM) + Triton passes, eager
+  f32_bias_design_graph   the same captured in a CUDA graph
   vllm_loop               vLLM's unfused torch loop (Gumbel-max), eager
   vllm_loop_graph         the same captured in a CUDA graph
   plain_jax               jnp ops + jax.random.categorical in lax.scan, jit
+
+For torch_bridge and seed_design the row also has ``host_ms``: the host time
+of one eager call (perf_counter around the call, no synchronize, the queue
+drained before each call), median.
 
 and the HBM floor: the bytes that must move (proj read once a step, base
 read once, the float32 cache written once) over the device-to-device copy
@@ -25,13 +37,14 @@ that ran (jax_markov when it runs): the synthetic inputs make every logit exact
 in float32 (see :mod:`benchmarks.common`), so they must agree exactly.
 
 Timing: warm-up calls first; then ``repeats`` calls in groups of ``group``
-back-to-back calls; a group is timed with CUDA events (torch) or with
-perf_counter up to block_until_ready of its last result (JAX; for the bridge,
-up to torch.cuda.synchronize()); the result is the median over groups of the
+back-to-back calls; a group is timed with CUDA events (torch; the bridge with
+its native runtime, whose launches are on torch's stream) or with
+perf_counter up to block_until_ready of its last result (JAX; the bridge with
+the JAX runtime, up to torch.cuda.synchronize()); the result is the median over groups of the
 per-call time. Inputs smaller than twice the L2 cache are replicated and the
 calls rotate through the copies, so no call reads operands left in L2.
 
-Usage: ``python -m jax_markov bench [options]`` or ``python -m benchmarks.run``.
+Usage: ``python -m benchmarks [options]`` from the repository root.
 """
 
 from __future__ import annotations
@@ -61,9 +74,10 @@ RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
 
 def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-      prog="python -m jax_markov bench",
+      prog="python -m benchmarks",
       description="Time the S-step Markov sampling: jax_markov, the torch "
-      "bridge, the reference Triton design, vLLM's loop and plain JAX, "
+      "bridge, the seed design (vLLM's FusedMarkovSampler), its float32-bias "
+      "variant, vLLM's loop and plain JAX, "
       "against the HBM floor.")
   p.add_argument("--shapes", default=None,
                  help="comma-separated of " + ",".join(SHAPES) +
@@ -97,9 +111,12 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--quick", action="store_true",
                  help="smoke test: small shape, batches 1,4, few repeats")
   p.add_argument("--report", dest="report", action="store_true", default=None,
-                 help="write docs/benchmarks.md and .png (default: on, "
+                 help="write docs/benchmarks.md (default: on, "
                  "except with --quick)")
   p.add_argument("--no-report", dest="report", action="store_false")
+  p.add_argument("--plot", action="store_true",
+                 help="with the report, also write docs/benchmarks.png "
+                 "(matplotlib; not committed: over 100 KB)")
   p.add_argument("--docs-dir", default=os.path.join(ROOT, "docs"),
                  help="where the report goes (default: docs/)")
   # Internal: run one family in this process.
@@ -196,8 +213,7 @@ def _run_worker(fam, cfg, workdir, progress, notices):
   cfg_path = os.path.join(workdir, f"{fam}.config.json")
   res_path = os.path.join(workdir, f"{fam}.result.json")
   common.write_json(cfg_path, cfg)
-  env = dict(os.environ)
-  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env = dict(os.environ)  # ``-m`` from ROOT: this checkout's packages
   if fam == "bridge":
     # torch and JAX share the GPU: JAX must not grab 75% of it up front.
     env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
@@ -272,8 +288,9 @@ def _finish(args, merged, progress) -> int:
   on_cpu = "cpu" in merged["backends"].values()
   # By default only a full GPU run rewrites docs/benchmarks.md.
   if args.report if args.report is not None else not (args.quick or on_cpu):
-    md, png = report.write_report(out, args.docs_dir)
-    progress(f"wrote {md} and {png}")
+    md, png = report.write_report(out, args.docs_dir,
+                                 with_plot=args.plot)
+    progress(f"wrote {md}" + (f" and {png}" if png else ""))
   for m in merged["sampled_mismatches"]:
     print(f"note: sampled tokens (same uniforms) differ: {m}")
   if merged["mismatches"]:
@@ -318,11 +335,17 @@ class _Prepared:
 
   calls: zero-argument callables, one per input set, rotated while timing;
   tokens(): runs the call on input set 0 and returns its tokens as a nested
-  list [B][S]; meta: extra row fields.
+  list [B][S]; meta: extra row fields; host_timed: also measure the host
+  time of one call (``host_ms``), for the eager torch_bridge and seed_design.
   """
 
-  def __init__(self, calls, tokens, meta=None):
+  def __init__(self, calls, tokens, meta=None, host_timed=False):
     self.calls, self.tokens, self.meta = calls, tokens, meta or {}
+    self.host_timed = host_timed
+
+
+# Eager rows that also get ``host_ms``: the host time of one call.
+_HOST_TIMED = ("torch_bridge", "seed_design")
 
 
 def _worker_main(args) -> int:
@@ -469,7 +492,8 @@ class _Skip(Exception):
 
 
 class _TorchFamily:
-  """reference_triton(_graph) and vllm_loop(_graph); never imports JAX."""
+  """seed_design, f32_bias_design and vllm_loop (each also _graph); never
+  imports JAX."""
 
   def __init__(self, cfg, result, progress):
     import torch
@@ -485,7 +509,7 @@ class _TorchFamily:
     self.sets = []
     self.triton_error = None
     try:
-      from benchmarks.baselines import reference_triton  # noqa: F401
+      import triton  # noqa: F401 -- the Triton baselines need it
     except Exception as e:  # noqa: BLE001 -- no triton: skip its impls
       self.triton_error = f"{type(e).__name__}: {e}"
     if not self.is_gpu:
@@ -525,8 +549,8 @@ class _TorchFamily:
     torch = self.torch
     self.sets = []
     gen = torch.Generator(device=self.device).manual_seed(0)
-    # jax_markov's uniforms when its process recorded them (the reference
-    # design then draws the same tokens), else any uniforms: the time of a
+    # jax_markov's uniforms when its process recorded them (the Triton
+    # designs then draw the same tokens), else any uniforms: the time of a
     # draw does not depend on them.
     u = self.uniforms.get(f"{shape.name}|{batch}")
     for k in range(n_sets):
@@ -539,7 +563,8 @@ class _TorchFamily:
 
   def same_rng(self, impl, key):
     """Whether ``impl`` draws with jax_markov's uniforms for ``key``."""
-    return impl.startswith("reference_triton") and key in self.uniforms
+    return (impl.startswith(("seed_design", "f32_bias_design"))
+            and key in self.uniforms)
 
   def prepare(self, impl, shape, batch, temp):
     torch = self.torch
@@ -548,16 +573,24 @@ class _TorchFamily:
       raise _Skip("CUDA graphs need a GPU")
     temperature = torch.full((batch,), temp, dtype=torch.float32,
                              device=self.device)
-    if impl.startswith("reference_triton"):
+    if impl.startswith(("seed_design", "f32_bias_design")):
       if self.triton_error:
         raise _Skip(f"triton is not importable ({self.triton_error})")
       if not self.is_gpu and os.environ.get("TRITON_INTERPRET") != "1":
         raise _Skip("the Triton kernels need a GPU (or TRITON_INTERPRET=1)")
-      from benchmarks.baselines.reference_triton import ReferenceTritonSampler
-      samplers = [ReferenceTritonSampler(d["embed"], d["proj"], d["base"],
+      if impl.startswith("seed_design"):
+        from benchmarks.baselines.seed_design import SeedDesignSampler
+        samplers = [SeedDesignSampler(d["embed"], d["proj"], d["base"],
+                                      d["anchors"], temperature, d["uniforms"])
+                    for d in self.sets]
+        meta = dict(block=samplers[0].block, num_warps=samplers[0].num_warps,
+                    launches=samplers[0].launches_per_draft)
+      else:
+        from benchmarks.baselines.f32_bias_design import F32BiasDesignSampler
+        samplers = [F32BiasDesignSampler(d["embed"], d["proj"], d["base"],
                                          d["anchors"], temperature,
                                          d["uniforms"]) for d in self.sets]
-      meta = dict(block=samplers[0].block, bias_gemm=samplers[0].gemm)
+        meta = dict(block=samplers[0].block, bias_gemm=samplers[0].gemm)
     else:
       from benchmarks.baselines.vllm_loop import VllmLoopSampler
       samplers = [VllmLoopSampler(d["embed"], d["proj"], d["base"],
@@ -572,7 +605,8 @@ class _TorchFamily:
     def tokens():
       calls[0]()
       return samplers[0].tokens.cpu().tolist()
-    return _Prepared(calls, tokens, meta)
+    return _Prepared(calls, tokens, meta,
+                     host_timed=impl in _HOST_TIMED and self.is_gpu)
 
   def time(self, prep, repeats, group, warmup, warmup_s):
     torch = self.torch
@@ -592,8 +626,15 @@ class _TorchFamily:
       b.record()
       events.append((a, b))
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) / group
-                             for a, b in events), len(events)
+    ms = statistics.median(a.elapsed_time(b) / group for a, b in events)
+    self._host_time(prep, repeats)
+    return ms, len(events)
+
+  def _host_time(self, prep, repeats):
+    """Adds ``host_ms`` to the row of an eager impl that asks for it."""
+    if prep.host_timed:
+      prep.meta["host_ms"] = common.host_call_median_ms(
+          prep.calls, repeats, self.torch.cuda.synchronize)
 
   def release(self, inputs=False):
     if inputs:
@@ -733,67 +774,20 @@ def _jm_kwargs(fn, shape, batch, method=None):
   return kwargs, meta
 
 
-class _SpecDouble:
-  """A stand-in for vLLM's DSparkSpeculator with what the bridge reads.
-
-  Laid out as vLLM lays it out (flat request-major ``sample_*`` buffers of
-  length M * S with M = max_num_reqs = B; one state row per request). The
-  backbone is not timed: ``model.compute_draft_logits`` ignores the (tiny)
-  hidden states it is given and returns the preallocated base logits
-  [B * S, V].
-  """
-
-  def __init__(self, torch, d, temperature, seeds, positions):
-    nn = torch.nn
-    base = d["base"]
-    B, S, V = base.shape
-    dev = base.device
-    R = d["proj"].shape[1]
-    embed = nn.Embedding(d["embed"].shape[0], R, device=dev,
-                         dtype=d["embed"].dtype)
-    proj = nn.Linear(R, V, bias=False, device=dev, dtype=d["proj"].dtype)
-    with torch.no_grad():
-      embed.weight.copy_(d["embed"])
-      proj.weight.copy_(d["proj"])
-    embed.requires_grad_(False)
-    proj.requires_grad_(False)
-    ns = _Namespace
-    base_rows = base.view(B * S, V)
-    self.model = ns(
-        compute_draft_logits=lambda hidden: base_rows,
-        markov_embed=embed, markov_bias=proj, draft_id_to_target_id=None,
-        model=ns(markov_head=ns(markov_w1=embed, markov_w2=proj)))
-    self.num_speculative_steps = S
-    self.sample_indices = torch.arange(B * S, dtype=torch.int64, device=dev)
-    self.head_hidden = torch.zeros((B * S, 8), dtype=base.dtype, device=dev)
-    # The anchor of request b is the first token of its query block.
-    self._anchor_idx = torch.arange(B, dtype=torch.int64, device=dev) * S
-    input_ids = torch.zeros(B * S + 4, dtype=torch.int32, device=dev)
-    input_ids[self._anchor_idx] = d["anchors"].to(torch.int32)
-    self.input_buffers = ns(input_ids=input_ids)
-    self.sample_idx_mapping = torch.arange(
-        B, dtype=torch.int32, device=dev).repeat_interleave(S)
-    self.temperature = temperature
-    self.seeds = torch.as_tensor(seeds, dtype=torch.int64, device=dev)
-    # The predicted token's position; a draw is keyed by sample_pos - 1.
-    self.sample_pos = (torch.as_tensor(positions, device=dev).to(torch.int64)
-                       + 1).reshape(B * S)
-    self.draft_tokens = torch.zeros((B, S), dtype=torch.int64, device=dev)
-    self.draft_logits = ns(values=torch.zeros((B, S, V), dtype=torch.float32,
-                                              device=dev))
-
-
-class _Namespace:
-  def __init__(self, **kw):
-    self.__dict__.update(kw)
-
-
 class _BridgeFamily(_TorchFamily):
-  """torch_bridge end to end from torch tensors (torch and JAX in one process).
+  """torch_bridge(_graph): the speculator hook from torch tensors (torch and
+  JAX in one process).
 
-  Without a usable torch_bridge.FusedMarkovSampler it times the same path by
-  hand: the torch tensors into JAX through DLPack, jm.sample_draft_into, and
-  the tokens back to torch (the row's ``note`` says so).
+  The hook is ``torch_bridge.FusedMarkovSampler(B, V, R, dtype,
+  check_values=False)`` with the default runtime (native where CUDA and
+  triton exist, else the JAX runtime), warmed up on every bucket, then called
+  as vLLM calls it, ``sampler(spec, B, head_hidden)``, on
+  torch_bridge.testing's speculator double over the synthetic inputs.
+  torch_bridge_graph captures that call in a CUDA graph per batch size (the
+  native runtime only: the JAX runtime cannot be captured). Without a usable
+  FusedMarkovSampler the eager row times the same path by hand: the torch
+  tensors into JAX through DLPack, jm.sample_draft_into, and the tokens back
+  to torch (the row's ``note`` says so).
   """
 
   def __init__(self, cfg, result, progress):
@@ -813,7 +807,9 @@ class _BridgeFamily(_TorchFamily):
     self.bridge_error = None
     try:
       from torch_bridge import FusedMarkovSampler
+      from torch_bridge.testing import speculator_from_tensors
       self.FusedMarkovSampler = FusedMarkovSampler
+      self.speculator_from_tensors = speculator_from_tensors
     except Exception as e:  # noqa: BLE001
       self.bridge_error = f"{type(e).__name__}: {e}"
 
@@ -827,25 +823,55 @@ class _BridgeFamily(_TorchFamily):
     temperature = torch.full((batch,), temp, dtype=torch.float32,
                              device=self.device)
     seeds, positions = common.seeds_and_positions(batch, shape.S)
+    graph = impl == "torch_bridge_graph"
+    if graph and not self.is_gpu:
+      raise _Skip("CUDA graphs need a GPU")
     if self.bridge_error is None:
       try:
         return self._prepare_bridge(shape, batch, temperature, seeds,
-                                    positions)
+                                    positions, graph)
+      except _Skip:
+        raise
       except Exception as e:  # noqa: BLE001 -- fall back, say why
+        if graph:
+          raise
         self.bridge_error = f"{type(e).__name__}: {e}"
+    if graph:
+      raise _Skip("torch_bridge.FusedMarkovSampler not usable "
+                  f"({self.bridge_error})")
     self.result.notice(
         "torch_bridge.FusedMarkovSampler not usable "
         f"({self.bridge_error}); timing the DLPack path by hand instead",
         self.progress)
     return self._prepare_dlpack(shape, batch, temperature, seeds, positions)
 
-  def _prepare_bridge(self, shape, batch, temperature, seeds, positions):
+  def _make_sampler(self, shape, batch, dtype):
+    """The hook with the default runtime; its constructor before the
+    runtime argument existed is accepted too (then the row says so)."""
+    try:
+      return self.FusedMarkovSampler(batch, shape.V, shape.R, dtype,
+                                     runtime=None, check_values=False)
+    except TypeError as e:
+      if "runtime" not in str(e):
+        raise
+      return self.FusedMarkovSampler(batch, shape.V, shape.R, dtype,
+                                     check_values=False)
+
+  def _prepare_bridge(self, shape, batch, temperature, seeds, positions,
+                      graph):
     torch = self.torch
     dtype = getattr(torch, shape.dtype)
-    specs = [_SpecDouble(torch, d, temperature, seeds, positions)
-             for d in self.sets]
-    samplers = [self.FusedMarkovSampler(batch, shape.V, shape.R, dtype)
-                for _ in specs]
+    specs = [self.speculator_from_tensors(d["base"], d["embed"], d["proj"],
+                                          d["anchors"], temperature, seeds,
+                                          positions) for d in self.sets]
+    samplers = [self._make_sampler(shape, batch, dtype) for _ in specs]
+    runtime = getattr(samplers[0], "runtime", "jax (no runtime attribute)")
+    if graph and runtime != "native":
+      raise _Skip(f"the hook's {runtime!r} runtime cannot be captured in a "
+                  "CUDA graph (only the native runtime can)")
+    for sampler, spec in zip(samplers, specs):
+      if hasattr(sampler, "warmup"):
+        sampler.warmup(spec)  # compiles every bucket, before any timing
 
     def make_call(sampler, spec):
       def call():
@@ -854,12 +880,21 @@ class _BridgeFamily(_TorchFamily):
       return call
     calls = [make_call(s, sp) for s, sp in zip(samplers, specs)]
     calls[0]()  # fails here, not while timing, if the double does not fit
+    if graph:
+      from benchmarks.baselines.vllm_loop import capture_graph
+      calls = [capture_graph(c).replay for c in calls]
+    meta = dict(runtime=runtime,
+                timer="cuda_events" if runtime == "native" and self.is_gpu
+                else "wall_clock",
+                note="torch_bridge.FusedMarkovSampler on "
+                "torch_bridge.testing.speculator_from_tensors"
+                + (", captured in a CUDA graph" if graph else ""))
 
     def tokens():
       calls[0]()
       return specs[0].draft_tokens[:batch, :shape.S].cpu().tolist()
-    return _Prepared(calls, tokens, dict(note="torch_bridge.FusedMarkovSampler"
-                                         " with a speculator double"))
+    return _Prepared(calls, tokens, meta,
+                     host_timed=not graph and self.is_gpu)
 
   def _prepare_dlpack(self, shape, batch, temperature, seeds, positions):
     torch, jax, jm = self.torch, self.jax, self.jm
@@ -897,11 +932,16 @@ class _BridgeFamily(_TorchFamily):
     return _Prepared(calls, tokens, meta)
 
   def time(self, prep, repeats, group, warmup, warmup_s):
+    if prep.meta.get("timer") == "cuda_events":
+      # Native runtime: every launch is on torch's current stream.
+      return super().time(prep, repeats, group, warmup, warmup_s)
     # The whole device: JAX's streams too.
     sync = (lambda _: self.torch.cuda.synchronize()) if self.is_gpu else None
     run = common.round_robin(prep.calls, finish=sync)
     common.warm_up(run, max(1, warmup), warmup_s)
-    return common.wall_clock_median(run, repeats, group)
+    ms, groups = common.wall_clock_median(run, repeats, group)
+    self._host_time(prep, repeats)
+    return ms, groups
 
 
 if __name__ == "__main__":

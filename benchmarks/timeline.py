@@ -1,7 +1,7 @@
 """Where a draft's time goes on the GPU: a kernel timeline from JAX's profiler.
 
-  python benchmarks/timeline.py --shape dsv4 --batches 1 256 --out tl.json
-  python benchmarks/timeline.py --batches 1 --set serpentine=False
+  python -m benchmarks.timeline --shape dsv4 --batches 1 256 --out tl.json
+  python -m benchmarks.timeline --batches 1 --set serpentine=False
 
 Issues ``--group`` drafts back to back, as the benchmark times them (the host
 clock around the group, then a sync), inside ``jax.profiler.trace``, and reads
@@ -28,8 +28,6 @@ import tempfile
 import time
 
 import jax
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax_markov as jm  # noqa: E402
 from benchmarks import common  # noqa: E402

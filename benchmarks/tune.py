@@ -1,6 +1,6 @@
 """Sweeps kernel configurations for one shape on a GPU; prints the best per batch.
 
-  python benchmarks/tune.py --shape dsv4 --batches 1 64 256 --out tune.json
+  python -m benchmarks.tune --shape dsv4 --batches 1 64 256 --out tune.json
 
 The winners go into jax_markov/kernels/tuning.py's TABLE by hand (a committed
 table: no search at call time). Inputs are the benchmark's synthetic ones
@@ -24,8 +24,6 @@ import re
 import sys
 
 import jax
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax_markov as jm  # noqa: E402
 from benchmarks import common  # noqa: E402

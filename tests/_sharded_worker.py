@@ -26,7 +26,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax_markov as jm  # noqa: E402
 from jax_markov import sharded  # noqa: E402
 

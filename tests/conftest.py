@@ -1,15 +1,17 @@
-"""Shared test set-up: the gpu marker, and the sys.path for the helpers module."""
+"""Shared test set-up: the gpu marker.
+
+Imports: pyproject.toml's pytest ``pythonpath`` puts the repository root
+(``benchmarks``, ``examples``, this checkout's ``jax_markov``) and ``tests/``
+(``helpers``, ``_sharded_worker``) on sys.path; nothing here edits it.
+"""
 
 import os
-import sys
 
 # Torch and JAX share the GPU in the bridge tests: no preallocation (see docs/torch_bridge.md).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 ON_GPU = jax.default_backend() == "gpu"
 

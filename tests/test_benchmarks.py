@@ -8,7 +8,6 @@ drawn at the step before).
 
 import json
 import os
-import sys
 
 import chex
 import jax
@@ -16,18 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-# benchmarks/ is a top-level folder of the repository, not part of the package.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from benchmarks import common  # noqa: E402
-from benchmarks import report  # noqa: E402
-from benchmarks import run  # noqa: E402
-from benchmarks.baselines import plain_jax  # noqa: E402
-from jax_markov import reference, rng  # noqa: E402
-from jax_markov.head import MarkovHead  # noqa: E402
-from jax_markov.kernels import tuning  # noqa: E402
+from benchmarks import common
+from benchmarks import report
+from benchmarks import run
+from benchmarks.baselines import plain_jax
+from jax_markov import reference, rng
+from jax_markov.head import MarkovHead
+from jax_markov.kernels import tuning
 
 TINY = common.Shape("t", "t", V=300, R=16, S=3)
 
@@ -152,11 +146,22 @@ def test_vllm_loop_on_cpu(temperature):
                   smp.tokens.numpy(), smp.cache.numpy())
 
 
-def _check_reference_triton(device):
-  """The Triton reference design against the jnp reference, same uniforms."""
+def _triton_sampler(name):
+  """The Triton baseline class of that name (imports need triton)."""
+  if name == "seed_design":
+    from benchmarks.baselines.seed_design import SeedDesignSampler
+    return lambda *a: SeedDesignSampler(*a)
+  from benchmarks.baselines.f32_bias_design import F32BiasDesignSampler
+  return lambda *a: F32BiasDesignSampler(*a, block=512)
+
+
+def _check_triton_design(name, device):
+  """A Triton baseline against the jnp reference, same uniforms: tokens and
+  cached logits exact (the synthetic bias is exact in bf16 and float32), with
+  -inf, NaN and an all -inf row."""
   torch = _torch()
   pytest.importorskip("triton")
-  from benchmarks.baselines.reference_triton import ReferenceTritonSampler
+  make = _triton_sampler(name)
   shape = common.Shape("t", "t", V=1500, R=16, S=3)
   B = 4
   t = common.torch_inputs(shape, B, 0, device)
@@ -171,10 +176,10 @@ def _check_reference_triton(device):
   seeds, positions = common.seeds_and_positions(B, shape.S)
   u = np.array(rng.draft_uniforms(seeds, positions))
   for temps in ([0.0] * B, [1.0] * B, [0.0, 0.7, 1.0, 3.0]):
-    smp = ReferenceTritonSampler(
+    smp = make(
         t["embed"], t["proj"], t["base"], t["anchors"],
         torch.tensor(temps, dtype=torch.float32, device=device),
-        torch.from_numpy(u).to(device), block=512)
+        torch.from_numpy(u).to(device))
     smp.run_steps()
     want_tokens, want_logits = reference.sample_draft(
         j["base"], j["anchors"], MarkovHead(j["embed"], j["proj"]),
@@ -189,16 +194,18 @@ def _check_reference_triton(device):
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="set TRITON_INTERPRET=1 to check the Triton "
                     "kernels on CPU (needs triton installed)")
-def test_reference_triton_interpreted():
-  _check_reference_triton("cpu")
+@pytest.mark.parametrize("name", ["seed_design", "f32_bias_design"])
+def test_triton_designs_interpreted(name):
+  _check_triton_design(name, "cpu")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _has_gpu_torch(), reason="needs a CUDA GPU")
-def test_reference_triton_on_gpu():
+@pytest.mark.parametrize("name", ["seed_design", "f32_bias_design"])
+def test_triton_designs_on_gpu(name):
   # The jnp reference runs on the CPU: no JAX work on the GPU torch uses.
   with jax.default_device(jax.devices("cpu")[0]):
-    _check_reference_triton("cuda")
+    _check_triton_design(name, "cuda")
 
 
 def _torch_greedy_chain(torch, d):
@@ -218,7 +225,8 @@ def _torch_greedy_chain(torch, d):
 def test_cuda_graphs_replay_the_eager_results():
   torch = _torch()
   pytest.importorskip("triton")
-  from benchmarks.baselines.reference_triton import ReferenceTritonSampler
+  from benchmarks.baselines.f32_bias_design import F32BiasDesignSampler
+  from benchmarks.baselines.seed_design import SeedDesignSampler
   from benchmarks.baselines.vllm_loop import VllmLoopSampler
   shape = common.SHAPES["dsv4"]
   for B in (1, 64):
@@ -227,8 +235,10 @@ def test_cuda_graphs_replay_the_eager_results():
     u = torch.rand((B, shape.S), device="cuda")
     want = _torch_greedy_chain(torch, d)
     for make in (
-        lambda: ReferenceTritonSampler(d["embed"], d["proj"], d["base"],
-                                       d["anchors"], temp, u),
+        lambda: SeedDesignSampler(d["embed"], d["proj"], d["base"],
+                                  d["anchors"], temp, u),
+        lambda: F32BiasDesignSampler(d["embed"], d["proj"], d["base"],
+                                     d["anchors"], temp, u),
         lambda: VllmLoopSampler(d["embed"], d["proj"], d["base"],
                                 d["anchors"], temp, True)):
       eager, captured = make(), make()
@@ -256,7 +266,7 @@ def test_bench_quick_smoke(tmp_path, monkeypatch):
   out = tmp_path / "res.json"
   rc = run.main(["--quick", "--shapes", "tiny", "--batches", "2",
                  "--impls", "plain_jax,vllm_loop,vllm_loop_graph",
-                 "--repeats", "2", "--out", str(out), "--report",
+                 "--repeats", "2", "--out", str(out), "--report", "--plot",
                  "--docs-dir", str(tmp_path / "docs")])
   assert rc == 0
   rows = json.loads(out.read_text())
@@ -277,21 +287,27 @@ def test_bench_quick_smoke(tmp_path, monkeypatch):
 
 def test_report_ratios_and_plot(tmp_path):
   rows = []
-  for impl, ms in (("jax_markov", 0.2), ("reference_triton_graph", 0.25)):
+  for impl, ms in (("jax_markov", 0.2), ("seed_design_graph", 0.25)):
     for batch in (1, 4):
       rows.append(dict(impl=impl, shape="dsv4", V=129280, R=256, S=7,
                        dtype="bfloat16", batch=batch, temperature=1.0,
                        median_ms=ms * batch, floor_ms=0.1 * batch,
-                       device="NVIDIA H200", copy_bw_gbs=4270.0))
+                       device="NVIDIA H200", copy_bw_gbs=4270.0,
+                       **({"host_ms": 0.05} if impl == "jax_markov" else {})))
   path = tmp_path / "r.json"
   path.write_text(json.dumps(rows))
-  md_path, png_path = report.write_report(str(path), str(tmp_path))
+  md_path, png_path = report.write_report(str(path), str(tmp_path),
+                                          with_plot=True)
   md = open(md_path).read()
-  assert ("| 4 | 0.400 | 0.800 (2.00x fl, 0.80x ref) | "
-          "1.000 (2.50x fl, 1.00x ref) |") in md
+  assert ("| 4 | 0.400 | 0.800 (2.00x fl, 0.80x seed) | "
+          "1.000 (2.50x fl, 1.00x seed) |") in md
   assert "4.27 TB/s" in md
+  assert "| B | jax_markov |\n| ---: | ---: |\n| 1 | 50 |" in md
   assert os.path.getsize(png_path) > 1000
   assert "jax_markov" in report.text_summary(rows)
+  # Without the plot (the default): no image, and no link to one.
+  md_path, png_path = report.write_report(str(path), str(tmp_path / "np"))
+  assert png_path is None and "![" not in open(md_path).read()
 
 
 class _FakeRunner:
@@ -389,3 +405,26 @@ def test_warm_up_runs_for_a_count_and_a_time():
   n = common.warm_up(run, 1, 0.06, sync=lambda: syncs.append(1))
   assert n == len(calls) and n >= 10  # 60 ms of 5 ms calls
   assert len(syncs) == n // 8 + 1  # every 8 calls, and once at the end
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bridge_rows_double_matches_the_reference(temperature):
+  """The torch_bridge rows' speculator (torch_bridge.testing's double over the
+  synthetic tensors) makes the hook draw the jnp reference's draft: same
+  tokens and logits, state row b = request b, draws keyed by the positions."""
+  torch = _torch()
+  from torch_bridge import FusedMarkovSampler
+  from torch_bridge.testing import speculator_from_tensors
+  B = 2
+  t = common.torch_inputs(TINY, B, 0, "cpu")
+  j = common.jax_inputs(TINY, B, 0)
+  seeds, positions = common.seeds_and_positions(B, TINY.S)
+  spec = speculator_from_tensors(t["base"], t["embed"], t["proj"],
+                                 t["anchors"], torch.full((B,), temperature),
+                                 seeds, positions)
+  sampler = FusedMarkovSampler(B, TINY.V, TINY.R, torch.bfloat16,
+                               check_values=True)
+  assert sampler(spec, B, spec.head_hidden)
+  want_tokens, want_logits = _reference(j, temperature, B)
+  np.testing.assert_array_equal(spec.draft_tokens.numpy(), want_tokens)
+  np.testing.assert_array_equal(spec.draft_logits.values.numpy(), want_logits)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import jax_markov as jm
-from jax_markov import corpus, demo
+from examples import corpus, demo
 
 P_THRESHOLD = 1e-4
 

@@ -36,6 +36,11 @@ def results(tmp_path_factory):
   env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
                       " --xla_force_host_platform_device_count=8").strip()
   env["JAX_PLATFORMS"] = "cpu"
+  # The worker imports the jax_markov of this checkout (the repository root),
+  # as pytest does through its ``pythonpath`` setting.
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env["PYTHONPATH"] = os.pathsep.join(
+      p for p in (root, env.get("PYTHONPATH")) if p)
   proc = subprocess.run([sys.executable, worker.__file__, str(out)], env=env,
                         capture_output=True, text=True, timeout=900)
   if proc.returncode != 0:

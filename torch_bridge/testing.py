@@ -287,3 +287,64 @@ def torch_chain(spec: SpeculatorDouble, x: dict):
     logits.append(step)
     prev = tok
   return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+# ============================================================================
+# For the benchmarks (benchmarks/run.py): the same double over given tensors.
+# Added for the benchmark harness; it changes nothing above, and nothing above
+# uses it.
+
+
+class _FixedRows(nn.Module):
+  """An LM head returning preallocated logit rows, whatever the hidden states
+  (the backbone is not what the benchmark times)."""
+
+  def __init__(self, rows: torch.Tensor):
+    super().__init__()
+    self.rows = rows  # a plain attribute: not a parameter, not a buffer
+
+  def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    return self.rows[:hidden.shape[0]]
+
+
+def speculator_from_tensors(base, embed, proj, anchors, temperature, seeds,
+                            positions) -> SpeculatorDouble:
+  """A :class:`SpeculatorDouble` with M = B that reads the given tensors.
+
+  Args:
+    base: [B, S, V] base logits (the model dtype), on the device.
+    embed: [V_in, R] markov_w1 weight; proj: [V, R] markov_w2 weight.
+    anchors: int [B], request b's anchor token.
+    temperature: float [B]; seeds: int64 [B] (tensor or array), per request.
+    positions: int [B, S], what draw (b, s) is keyed by (sample_pos - 1).
+
+  Returns:
+    The double, with request b on state row b, sample_indices = arange(B * S),
+    ``model.compute_draft_logits`` returning ``base`` as [B * S, V] rows
+    (zero copy), and ``spec.head_hidden`` a matching [B * S + 4, 8] input:
+    call the hook as ``sampler(spec, B, spec.head_hidden)``.
+  """
+  B, S, V = base.shape
+  v_in, rank = embed.shape
+  dev = base.device
+  spec = SpeculatorDouble(max_num_reqs=B, num_steps=S, vocab=V, v_in=v_in,
+                          rank=rank, hidden=8, dtype=base.dtype, device=dev)
+  head = spec.model.model.markov_head
+  with torch.no_grad():
+    head.markov_w1.weight.copy_(embed)
+    head.markov_w2.weight.copy_(proj)
+  spec.model.requires_grad_(False)
+  spec.model.lm_head = _FixedRows(base.reshape(B * S, V))
+  spec.sample_indices.copy_(torch.arange(B * S, device=dev))
+  spec.sample_idx_mapping.copy_(
+      torch.arange(B, device=dev).repeat_interleave(S)
+      .view(spec.sample_idx_mapping.shape))
+  pos = torch.as_tensor(positions, device=dev).to(torch.int64) + 1
+  spec.sample_pos.copy_(pos.reshape(-1))
+  spec.input_buffers.input_ids[spec._anchor_idx] = torch.as_tensor(
+      anchors, device=dev).to(spec.input_buffers.input_ids.dtype)
+  spec.temperature.copy_(torch.as_tensor(temperature, device=dev))
+  spec.seeds.copy_(torch.as_tensor(seeds, device=dev).to(torch.int64))
+  spec.head_hidden = torch.zeros((spec.num_tokens, 8), dtype=base.dtype,
+                                 device=dev)
+  return spec

@@ -1,6 +1,10 @@
 """``python -m jax_markov demo``: what the sampler is for, in one command.
 
-Nothing is downloaded. From text that ships with Python (jax_markov/corpus.py)
+An example, not part of the library (the wheel holds ``jax_markov`` and
+``torch_bridge`` only): run it from a source checkout, as
+``python -m jax_markov demo`` or ``python -m examples.demo``.
+
+Nothing is downloaded. From text that ships with Python (examples/corpus.py)
 the demo builds
 
 * a *target* language model: a character bigram model, logits
@@ -36,7 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_markov import corpus, reference, rng
+from examples import corpus
+from jax_markov import reference, rng
 from jax_markov.head import MarkovHead
 
 # Limits that keep a typo from becoming an out-of-memory traceback.

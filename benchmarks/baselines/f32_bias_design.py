@@ -1,4 +1,10 @@
-"""The reference design in PyTorch + Triton (vLLM's FusedMarkovSampler style).
+"""The float32-bias design in PyTorch + Triton (formerly ``reference_triton``).
+
+Not vLLM's sampler as it is (that is :mod:`benchmarks.baselines.seed_design`):
+this design computes the bias in float32 and round-trips a float32 [B, V]
+bias through HBM every step (written by the GEMM, read by the block pass),
+twice the bytes of the seed design's bf16 bias, and picks its vocabulary
+block per batch. Rows ``f32_bias_design`` and ``f32_bias_design_graph``.
 
 Per step s, with every buffer allocated once (fixed addresses, so the whole
 S-step draft can be captured in a CUDA graph):
@@ -150,8 +156,8 @@ def _bias_gemm(emb: torch.Tensor, proj: torch.Tensor, out: torch.Tensor):
   return "mm_fp32_cpu", lambda: torch.mm(emb.float(), pf.t(), out=out)
 
 
-class ReferenceTritonSampler:
-  """The reference design bound to fixed input, output and scratch buffers.
+class F32BiasDesignSampler:
+  """The float32-bias design bound to fixed input, output and scratch buffers.
 
   Args:
     embed: [V_in, R] Markov embedding ("markov_w1"), bf16/fp16/fp32.
