@@ -75,8 +75,9 @@ FAMILIES = {
     "vllm_loop": "torch",
     "vllm_loop_graph": "torch",
     "torch_bridge": "bridge",
-    # Not in the defaults: jax_markov forced to the reference design's method
-    # (bias GEMM in XLA, then the block pass), for issue comparisons.
+    # Not in the defaults: jax_markov forced to method="xla_bias", the
+    # reference design's bias GEMM in XLA then the block pass, for issue
+    # comparisons.
     "jax_markov_reference": "jax",
 }
 IMPLS = ("jax_markov", "torch_bridge", "reference_triton",

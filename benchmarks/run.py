@@ -674,8 +674,8 @@ class _JaxFamily:
       jm = self.jm
       kwargs, meta = _jm_kwargs(jm.sample_draft, shape, batch)
       if impl == "jax_markov_reference":
-        kwargs["method"] = "reference"
-        meta = _jm_kwargs(jm.sample_draft, shape, batch, "reference")[1]
+        kwargs["method"] = "xla_bias"
+        meta = _jm_kwargs(jm.sample_draft, shape, batch, "xla_bias")[1]
       heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in self.sets]
       calls = [
           (lambda d=d, h=h: jm.sample_draft(d["base"], d["anchors"], h,

@@ -47,17 +47,28 @@ def _h200_multiprocessors(monkeypatch):
   monkeypatch.setattr(draft_pass, "multiprocessors", lambda: 132)
 
 
+def _config(**kw):
+  """A KernelConfig; num_warps=4, num_stages=3 unless given (most entries)."""
+  return jm.KernelConfig(**{"num_warps": 4, "num_stages": 3, **kw})
+
+
 CONFIGS = [
-    (jm.KernelConfig("reference", 1, 256, 64, 8, 1), 2 * S),
-    (jm.KernelConfig("fused", 16, 128, 32, 4, 3), 2 * S),
-    (jm.KernelConfig("fused", 16, 128, 32, 4, 1, k_loop="static"), 2 * S),
-    (jm.KernelConfig("fused", 16, 128, 32, 4, 3, proj_l2_rows=256), 2 * S),
-    (jm.KernelConfig("fused", 1, 128, 64, 4, 3, bias_dot="fma"), 2 * S),
-    (jm.KernelConfig("fused", 4, 128, 16, 4, 3, bias_dot="fma"), 2 * S),
-    (jm.KernelConfig("fused", 1, 128, 64, 4, 3, bias_dot="fma", select="tail",
-                     proj_l2_rows=256), S),
-    (jm.KernelConfig("fused", 1, 256, 128, 8, 2, bias_dot="fma",
-                     select="persistent"), 1),
+    (_config(method="xla_bias", block_b=1, block_v=256, block_k=64,
+             num_warps=8, num_stages=1), 2 * S),
+    (_config(method="fused", block_b=16, block_v=128, block_k=32), 2 * S),
+    (_config(method="fused", block_b=16, block_v=128, block_k=32,
+             num_stages=1, k_loop="static"), 2 * S),
+    (_config(method="fused", block_b=16, block_v=128, block_k=32,
+             proj_l2_rows=256), 2 * S),
+    (_config(method="fused", block_b=1, block_v=128, block_k=64,
+             bias_dot="fma"), 2 * S),
+    (_config(method="fused", block_b=4, block_v=128, block_k=16,
+             bias_dot="fma"), 2 * S),
+    (_config(method="fused", block_b=1, block_v=128, block_k=64,
+             bias_dot="fma", select="tail", proj_l2_rows=256), S),
+    (_config(method="fused", block_b=1, block_v=256, block_k=128,
+             num_warps=8, num_stages=2, bias_dot="fma", select="persistent"),
+     1),
 ]
 
 
