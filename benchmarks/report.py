@@ -52,7 +52,7 @@ DESCRIPTIONS = {
     "vllm_loop_graph": "the same, captured in a CUDA graph",
     "plain_jax": "jnp ops + `jax.random.categorical` inside `lax.scan`, one "
                  "jit",
-    "jax_markov_reference": "jax_markov with `method=\"reference\"`: XLA "
+    "jax_markov_xla_bias": "jax_markov with `method=\"xla_bias\"`: XLA "
                             "bias GEMM, then the Pallas block pass",
 }
 

@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="comma-separated temperatures (default: 0,1)")
   p.add_argument("--impls", default=None,
                  help="comma-separated of " + ",".join(ALL_IMPLS) +
-                 " (default: all but jax_markov_reference)")
+                 " (default: all but jax_markov_xla_bias)")
   p.add_argument("--repeats", type=int, default=None,
                  help="timed calls per point (default 100; 10 with --quick)")
   p.add_argument("--group", type=int, default=5,
@@ -714,9 +714,9 @@ class _JaxFamily:
                     f"({self.jm_error})")
       jm = self.jm
       kwargs, meta = _jm_kwargs(jm.sample_draft, shape, batch)
-      if impl == "jax_markov_reference":
-        kwargs["method"] = "reference"
-        meta = _jm_kwargs(jm.sample_draft, shape, batch, "reference")[1]
+      if impl == "jax_markov_xla_bias":
+        kwargs["method"] = "xla_bias"
+        meta = _jm_kwargs(jm.sample_draft, shape, batch, "xla_bias")[1]
       heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in self.sets]
       calls = [
           (lambda d=d, h=h: jm.sample_draft(d["base"], d["anchors"], h,

@@ -44,7 +44,8 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     for bv, bk, w, st in ((128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 4),
                           (128, 128, 4, 3), (64, 64, 4, 3), (64, 64, 2, 3),
                           (256, 32, 4, 3), (128, 64, 2, 3)):
-      yield jm.KernelConfig("fused", 1, bv, bk, w, st, bias_dot="fma")
+      yield jm.KernelConfig(method="fused", block_b=1, block_v=bv, block_k=bk,
+                            num_warps=w, num_stages=st, bias_dot="fma")
     return
   if grid == "tail":
     # One launch a step (the block pass's last program draws) against the
@@ -52,8 +53,9 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     for bv, bk, w, st in ((128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 3),
                           (256, 64, 4, 3), (128, 32, 4, 4)):
       for select in ("pass", "tail"):
-        yield jm.KernelConfig("fused", 1, bv, bk, w, st, bias_dot="fma",
-                              select=select)
+        yield jm.KernelConfig(method="fused", block_b=1, block_v=bv,
+                              block_k=bk, num_warps=w, num_stages=st,
+                              bias_dot="fma", select=select)
     return
   if grid == "wide":
     # 128-request tiles (less L2 traffic a logit: the proj block is re-read by
@@ -63,7 +65,9 @@ def candidates(batch: int, grid: str, shape: common.Shape):
                               (128, 128, 32, 8, 4), (128, 128, 32, 8, 3),
                               (64, 128, 128, 4, 2), (64, 128, 64, 8, 3),
                               (256, 64, 32, 8, 3)):
-      yield jm.KernelConfig("fused", min(bb, max(16, batch)), bv, bk, w, st)
+      yield jm.KernelConfig(method="fused", block_b=min(bb, max(16, batch)),
+                            block_v=bv, block_k=bk, num_warps=w,
+                            num_stages=st)
     return
   if grid == "persistent":
     # The whole draft in one launch (kernels/draft_pass.py), one program a
@@ -72,7 +76,8 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     for bv, bk, w, st in ((128, 64, 4, 3), (128, 64, 8, 3), (256, 64, 8, 3),
                           (256, 64, 8, 4), (256, 128, 8, 2), (512, 64, 16, 3),
                           (512, 32, 8, 4), (128, 128, 4, 2)):
-      yield jm.KernelConfig("fused", 1, bv, bk, w, st, bias_dot="fma",
+      yield jm.KernelConfig(method="fused", block_b=1, block_v=bv, block_k=bk,
+                            num_warps=w, num_stages=st, bias_dot="fma",
                             select="persistent")
     return
   if grid == "keep":
@@ -92,7 +97,8 @@ def candidates(batch: int, grid: str, shape: common.Shape):
                (64, 256, 32, 8, 3), (64, 256, 32, 8, 2), (64, 64, 64, 4, 3),
                (min(128, batch), 128, 32, 8, 3), (min(128, batch), 128, 64, 8, 2)]
     for bb, bv, bk, w, st in tiles:
-      yield jm.KernelConfig("fused", bb, bv, bk, w, st)
+      yield jm.KernelConfig(method="fused", block_b=bb, block_v=bv, block_k=bk,
+                            num_warps=w, num_stages=st)
     return
   pipelines = [("fori", 3), ("fori", 4), ("static", 1)]
   if grid == "quick":
@@ -104,9 +110,11 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     if batch >= 128:
       tiles.append((128, 64))
   for (bb, v), w, (loop, st) in itertools.product(tiles, (4, 8), pipelines):
-    yield jm.KernelConfig("fused", bb, v, 64, w, st, k_loop=loop)
+    yield jm.KernelConfig(method="fused", block_b=bb, block_v=v, block_k=64,
+                          num_warps=w, num_stages=st, k_loop=loop)
   for v, w in itertools.product((1024, 4096), (4, 8)):
-    yield jm.KernelConfig("reference", 1, v, 64, w, 1)
+    yield jm.KernelConfig(method="xla_bias", block_b=1, block_v=v, block_k=64,
+                          num_warps=w, num_stages=1)
 
 
 def launch_counts(fn, *args, **kwargs) -> dict:

@@ -16,7 +16,7 @@ Public API::
 
 from jax_markov import reference, rng
 from jax_markov.head import Draft, MarkovHead
-from jax_markov.kernels.tuning import KernelConfig
+from jax_markov.kernels.config import KernelConfig
 from jax_markov.rng import draft_uniforms
 from jax_markov.sampler import sample_draft, sample_draft_into
 from jax_markov.sharded import sample_draft_sharded

@@ -1,7 +1,7 @@
 """The S-step Markov sampler: one jitted call for all S steps.
 
 A step is two Pallas launches (block pass, select pass), plus the bias GEMM in
-XLA for the reference design; one launch with ``select="tail"``, where the
+XLA with method="xla_bias"; one launch with ``select="tail"``, where the
 block pass's last program draws; and with ``select="persistent"`` the whole
 draft is one launch (kernels/draft_pass.py). Compiled, the steps are a Python
 loop (each launch gets its step index as a constant); in the interpreter they
@@ -65,11 +65,8 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
   if config.select == "persistent":  # the whole draft in one launch
     cache, tokens = draft_pass(
         base_flat, head.embed, head.proj, anchor_tokens, params, cache_rows,
-        cache, num_steps=S, num_cache_rows=num_cache_rows,
-        programs=config.programs,
-        block_v=config.block_v, block_k=config.block_k,
-        serpentine=config.serpentine, num_warps=config.num_warps,
-        num_stages=config.num_stages, interpret=interpret)
+        cache, config=config, num_steps=S, num_cache_rows=num_cache_rows,
+        interpret=interpret)
     return tokens.reshape(B, S), cache
 
   tail = config.select == "tail"
@@ -78,30 +75,26 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
     if config.method == "fused":
       # The block pass gathers the previous tokens' embedding rows itself.
-      bias_or_head = (head.embed, head.proj, anchor_tokens, tokens)
+      bias_or_head = (head.embed, head.proj, anchor_tokens)
+      block_tokens = tokens
     else:
       prev = anchor_tokens if tokens is None else jax.lax.dynamic_index_in_dim(
           tokens.reshape(B, S), s[0] - 1, axis=1, keepdims=False)
-      bias_or_head = (jax.lax.dot_general(
+      bias_or_head = jax.lax.dot_general(
           head.embed[prev], head.proj, (((1,), (1,)), ((), ())),
-          precision=gemm_precision, preferred_element_type=jnp.float32),)
+          precision=gemm_precision, preferred_element_type=jnp.float32)
+      block_tokens = None  # the bias already holds the previous tokens
     out = block_pass(
-        base_flat, bias_or_head, s, params, cache_rows, cache, num_steps=S,
-        num_cache_rows=num_cache_rows, block_b=config.block_b,
-        block_v=config.block_v, block_k=config.block_k,
-        k_loop=config.k_loop, serpentine=config.serpentine,
-        bias_dot=config.bias_dot, select=config.select, counters=counters,
-        proj_l2_rows=config.proj_l2_rows,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        base_flat, bias_or_head, s, params, cache_rows, cache, block_tokens,
+        counters, config=config, num_steps=S, num_cache_rows=num_cache_rows,
         interpret=interpret)
     if tail:  # the block pass drew the tokens itself
       cache, _, _, _, tokens, counters = out
       return cache, tokens, counters
     cache, bmax, bsum, barg = out
     tokens = select_pass(
-        bmax, bsum, barg, cache, s, params, cache_rows, tokens, num_steps=S,
-        block_v=config.block_v, num_warps=config.select_warps,
-        interpret=interpret)
+        bmax, bsum, barg, cache, s, params, cache_rows, tokens, config=config,
+        num_steps=S, interpret=interpret)
     return cache, tokens, counters
 
   # Step 0 creates the token array (and the cache when none is given), so the
@@ -115,7 +108,7 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
   unroll = not interpret if config.unroll is None else config.unroll
   if unroll:
     # A Python loop: the step index of each launch is a constant, so each
-    # step is 1-2 launches (+1 with the reference GEMM), no slicing kernels.
+    # step is 1-2 launches (+1 with the xla_bias GEMM), no slicing kernels.
     for s in range(1, S):
       cache, tokens, counters = step(cache, tokens, counters,
                                      jnp.full((1,), s, jnp.int32))
@@ -212,8 +205,9 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
     positions: int [B, S] >= 0, the position each draw is keyed by.
     interpret: run the Pallas kernels in interpret mode; None picks it on any
       backend but GPU.
-    method: "fused" or "reference" (bias GEMM in XLA, as vLLM's design); None
-      picks the faster one for the shape (kernels/tuning.py).
+    method: "fused" (the bias dot inside the block pass) or "xla_bias" (the
+      bias GEMM in XLA, as vLLM's design); None picks the faster one for the
+      shape (kernels/tuning.py).
     config: a full launch configuration, overriding the tuning table.
     check_values: read concrete arguments to check their values (waits for
       device arrays; inside jit nothing is read either way).

@@ -52,6 +52,7 @@ are never a maximum) and the logits are sliced back to V on return.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -244,25 +245,23 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
 
   # The block pass reads row 0 (1 / T) of the draw parameters.
   params = scale.reshape(1, B * S)
+  # The draw is the cross-device exchange below, never the tail select or
+  # the persistent draft: the block pass runs with its plain outputs.
+  block_config = dataclasses.replace(config, select="pass", programs=0)
 
   def step(cache, prev, s):
     """One step from the previous tokens prev int32 [B]."""
     rows = row_ids + s
     if config.method == "fused":
-      bias_or_head = (embed, proj, prev, None)
+      bias_or_head = (embed, proj, prev)
     else:
-      bias_or_head = (jax.lax.dot_general(
+      bias_or_head = jax.lax.dot_general(
           embed[prev], proj, (((1,), (1,)), ((), ())),
-          precision=gemm_precision, preferred_element_type=jnp.float32),)
+          precision=gemm_precision, preferred_element_type=jnp.float32)
     cache, *stats = block_pass(
         base_flat, bias_or_head, jnp.reshape(s, (1,)).astype(jnp.int32),
-        params, None, cache, num_steps=S, num_cache_rows=B * S,
-        block_b=config.block_b, block_v=config.block_v,
-        block_k=config.block_k, k_loop=config.k_loop,
-        serpentine=config.serpentine, bias_dot=config.bias_dot,
-        proj_l2_rows=config.proj_l2_rows,
-        num_warps=config.num_warps, num_stages=config.num_stages,
-        interpret=interpret)
+        params, None, cache, config=block_config, num_steps=S,
+        num_cache_rows=B * S, interpret=interpret)
     bmax, bsum, barg = stats  # [B, NB_loc], request-major
     owner, block, is_greedy, m_safe, prefix, target = decide(
         bmax, bsum, u[:, s], greedy[:, s], axis=axis, shard=shard,
@@ -382,7 +381,7 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
       single-device block arithmetic when V / n is a multiple of block_v).
     interpret: run the Pallas kernels in interpret mode; None picks it unless
       the mesh's devices are GPUs.
-    method: "fused" or "reference", as in :func:`jax_markov.sample_draft`;
+    method: "fused" or "xla_bias", as in :func:`jax_markov.sample_draft`;
       None picks by the tuning table for the per-shard vocabulary.
     config: a full launch configuration (its block_v applies per shard;
       its select field does not: the draw is always the cross-device

@@ -30,7 +30,7 @@ import jax_markov as jm  # noqa: E402
 from jax_markov import sharded  # noqa: E402
 
 B, S, R = 6, 3, 8
-CONFIG = jm.KernelConfig("fused", 16, 128, 16)
+CONFIG = jm.KernelConfig(method="fused", block_b=16, block_v=128, block_k=16)
 
 # name: (vocabulary shards, mesh shape and axis names, V, exchange)
 CASES = {

@@ -366,7 +366,7 @@ def test_tune_and_profile_scripts_smoke(tmp_path):
   assert set(rows[0]["launches"]) == {"pallas", "fusions", "gemms",
                                       "command_buffers"}
   cfgs = list(tune.candidates(64, "full", common.SHAPES["dsv4"]))
-  assert {c.method for c in cfgs} == {"fused", "reference"}
+  assert {c.method for c in cfgs} == {"fused", "xla_bias"}
   assert {c.k_loop for c in cfgs} == {"fori", "static"}
   assert profile_draft.main(["--shape", "tiny", "--batch", "2", "--drafts", "1"]) == 0
   fma = list(tune.candidates(1, "fma", common.SHAPES["dsv4"]))

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.gpu
 DSV4 = dict(V=129280, R=256, S=7)
 
 
-@pytest.mark.parametrize("method", ["reference", "fused"])
+@pytest.mark.parametrize("method", ["xla_bias", "fused"])
 @pytest.mark.parametrize("B", [1, 16])
 def test_deepseek_v4_shape(method, B):
   args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16, seed=20,
@@ -30,7 +30,7 @@ def test_deepseek_v4_shape(method, B):
   check_sample_draft(draft, *args)
 
 
-@pytest.mark.parametrize("method", ["reference", "fused"])
+@pytest.mark.parametrize("method", ["xla_bias", "fused"])
 def test_deepseek_v4_into(method):
   B, S, V, R, N = 8, DSV4["S"], DSV4["V"], DSV4["R"], 12
   base, anchor, head, _, _, pos = make_problem(B, S, V, R, seed=21, head_scale=0.1)
@@ -62,7 +62,7 @@ def test_methods_agree_at_deepseek_v4_shape():
   """Both methods draw the same greedy tokens (T = 0 has no rounding in the draw)."""
   args = make_problem(32, 7, DSV4["V"], DSV4["R"], seed=22, head_scale=0.1,
                       temperature=np.zeros(32))
-  a = jm.sample_draft(*args, method="reference")
+  a = jm.sample_draft(*args, method="xla_bias")
   b = jm.sample_draft(*args, method="fused")
   ref = jm.reference.sample_draft(*args)
   # Greedy chains can only split where two logits tie within float32 rounding
@@ -80,8 +80,9 @@ def _assert_selects_draw_alike(B, seed, selects):
   base, anchor, head, _, _, pos = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"],
                                                jnp.bfloat16, seed=seed, head_scale=0.1)
   rng = np.random.default_rng(seed)
-  configs = [jm.KernelConfig("fused", 1, 128, 64, 4, 3, bias_dot="fma", select=s)
-             for s in selects]
+  configs = [jm.KernelConfig(method="fused", block_b=1, block_v=128,
+                             block_k=64, num_warps=4, num_stages=3,
+                             bias_dot="fma", select=s) for s in selects]
   for _ in range(25):
     anchor = jnp.asarray(rng.integers(0, DSV4["V"], B), jnp.int32)
     t = jnp.asarray(rng.choice([0.0, 0.6, 1.0, 1.5], B), jnp.float32)
@@ -112,8 +113,9 @@ def test_proj_l2_rows_changes_nothing_at_deepseek_v4_shape(tile):
   args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16, seed=29,
                       head_scale=0.1, temperature=np.arange(B) % 2 * 1.0)
   drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
-      "fused", block_b, block_v, block_k, 4, 3, bias_dot=bias_dot,
-      select=select, proj_l2_rows=rows)) for rows in (0, 49152)]
+      method="fused", block_b=block_b, block_v=block_v, block_k=block_k,
+      num_warps=4, num_stages=3, bias_dot=bias_dot, select=select,
+      proj_l2_rows=rows)) for rows in (0, 49152)]
   np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
   np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
   check_sample_draft(drafts[1], *args)

@@ -47,17 +47,28 @@ def _h200_multiprocessors(monkeypatch):
   monkeypatch.setattr(draft_pass, "multiprocessors", lambda: 132)
 
 
+def _config(**kw):
+  """A KernelConfig; num_warps=4, num_stages=3 unless given (most entries)."""
+  return jm.KernelConfig(**{"num_warps": 4, "num_stages": 3, **kw})
+
+
 CONFIGS = [
-    (jm.KernelConfig("reference", 1, 256, 64, 8, 1), 2 * S),
-    (jm.KernelConfig("fused", 16, 128, 32, 4, 3), 2 * S),
-    (jm.KernelConfig("fused", 16, 128, 32, 4, 1, k_loop="static"), 2 * S),
-    (jm.KernelConfig("fused", 16, 128, 32, 4, 3, proj_l2_rows=256), 2 * S),
-    (jm.KernelConfig("fused", 1, 128, 64, 4, 3, bias_dot="fma"), 2 * S),
-    (jm.KernelConfig("fused", 4, 128, 16, 4, 3, bias_dot="fma"), 2 * S),
-    (jm.KernelConfig("fused", 1, 128, 64, 4, 3, bias_dot="fma", select="tail",
-                     proj_l2_rows=256), S),
-    (jm.KernelConfig("fused", 1, 256, 128, 8, 2, bias_dot="fma",
-                     select="persistent"), 1),
+    (_config(method="xla_bias", block_b=1, block_v=256, block_k=64,
+             num_warps=8, num_stages=1), 2 * S),
+    (_config(method="fused", block_b=16, block_v=128, block_k=32), 2 * S),
+    (_config(method="fused", block_b=16, block_v=128, block_k=32,
+             num_stages=1, k_loop="static"), 2 * S),
+    (_config(method="fused", block_b=16, block_v=128, block_k=32,
+             proj_l2_rows=256), 2 * S),
+    (_config(method="fused", block_b=1, block_v=128, block_k=64,
+             bias_dot="fma"), 2 * S),
+    (_config(method="fused", block_b=4, block_v=128, block_k=16,
+             bias_dot="fma"), 2 * S),
+    (_config(method="fused", block_b=1, block_v=128, block_k=64,
+             bias_dot="fma", select="tail", proj_l2_rows=256), S),
+    (_config(method="fused", block_b=1, block_v=256, block_k=128,
+             num_warps=8, num_stages=2, bias_dot="fma", select="persistent"),
+     1),
 ]
 
 
@@ -72,3 +83,60 @@ def test_table_entries_lower_at_deepseek_v4_shape(B):
   config = tuning.choose(None, B, DSV4["V"], DSV4["R"], interpret=False)
   launches = S if config.select == "tail" else 2 * S
   assert _triton_calls(config, B, **DSV4) == launches
+
+
+def _pallas_operands(fn, *args):
+  """(the operand positions in args, input_output_aliases) of fn's one
+  pallas_call, traced on args (arrays or None)."""
+  given = [i for i, a in enumerate(args) if a is not None]
+  jaxpr = jax.make_jaxpr(
+      lambda *xs: fn(*[xs[given.index(i)] if i in given else None
+                       for i in range(len(args))]))(
+          *[args[i] for i in given]).jaxpr
+  (eqn,) = [e for e in jaxpr.eqns if e.primitive.name == "pallas_call"]
+  order = [given[jaxpr.invars.index(v)] for v in eqn.invars]
+  return order, eqn.params["input_output_aliases"]
+
+
+def test_one_step_operand_order_for_a_native_runtime():
+  """The operand order each wrapper's docstring promises (a native runtime
+  binds its buffers' pointers in it): the given inputs in the module's INPUTS
+  order, then the outputs, which alias the inputs of the same name."""
+  from jax_markov.kernels import block_pass, select_pass
+  spec = jax.ShapeDtypeStruct
+  B, V, R, rows = 4, 256, 32, 2 * 4 * S
+  base, embed, proj = (spec((B * S, V), jnp.bfloat16),
+                       spec((V, R), jnp.bfloat16), spec((V, R), jnp.bfloat16))
+  i32 = lambda *shape: spec(shape, jnp.int32)  # noqa: E731
+  anchors, step, tokens, cache_rows = i32(B), i32(1), i32(B * S), i32(B * S)
+  params, cache = spec((3, B * S), jnp.float32), spec((rows, V), jnp.float32)
+  statics = dict(num_steps=S, num_cache_rows=rows)
+
+  tail = jm.KernelConfig(method="fused", block_b=1, block_v=64, block_k=16,
+                         bias_dot="fma", select="tail")
+  fn = lambda b, e, p, a, s, q, r, c, t, n: block_pass.block_pass(  # noqa: E731
+      b, (e, p, a), s, q, r, c, t, n, config=tail, **statics)
+  # base, embed, proj, anchors, tokens, step, params, cache_rows, cache,
+  # counters -> cache, block_max, block_sum, block_argmax, tokens, counters.
+  order, aliases = _pallas_operands(fn, base, embed, proj, anchors, step,
+                                    params, cache_rows, cache, tokens, i32(B))
+  assert order == [0, 1, 2, 3, 8, 4, 5, 6, 7, 9]
+  assert dict(aliases) == {8: 0, 4: 4, 9: 5}
+
+  xla_bias = jm.KernelConfig(method="xla_bias", block_b=1, block_v=64)
+  fn = lambda b, bias, s, q, r, c: block_pass.block_pass(  # noqa: E731
+      b, bias, s, q, r, c, config=xla_bias, **statics)
+  order, aliases = _pallas_operands(fn, base, spec((B, V), jnp.float32), step,
+                                    params, None, cache)
+  assert order == [0, 1, 2, 3, 5] and dict(aliases) == {4: 0}
+
+  stats = spec((B, V // 64), jnp.float32)
+  fn = lambda *xs: select_pass.select_pass(  # noqa: E731
+      *xs, config=tail, num_steps=S)
+  order, aliases = _pallas_operands(fn, stats, stats, i32(B, V // 64), cache,
+                                    step, params, cache_rows, tokens)
+  assert order == list(range(8)) and dict(aliases) == {7: 0}
+  assert block_pass.INPUTS == ("base", "embed", "proj", "anchors", "tokens",
+                               "bias", "step", "params", "cache_rows",
+                               "cache", "counters")
+  assert select_pass.INPUTS[-1] == "tokens"

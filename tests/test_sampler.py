@@ -13,12 +13,14 @@ import pytest
 import jax_markov as jm
 from helpers import check_draft, check_sample_draft, make_problem
 
-METHODS = ["reference", "fused"]
+METHODS = ["xla_bias", "fused"]
 
 
 def _config(method, block_v, rank):
   block_k = min(64, max(16, 1 << (rank - 1).bit_length()))
-  return jm.KernelConfig(method, 1 if method == "reference" else 16, block_v, block_k)
+  return jm.KernelConfig(method=method,
+                         block_b=1 if method == "xla_bias" else 16,
+                         block_v=block_v, block_k=block_k)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -62,8 +64,8 @@ def test_steps(S):
   check_sample_draft(draft, *args)
 
 
-@pytest.mark.parametrize("method,R", [("fused", 1), ("reference", 3), ("fused", 80),
-                                      ("fused", 256), ("reference", 256)])
+@pytest.mark.parametrize("method,R", [("fused", 1), ("xla_bias", 3), ("fused", 80),
+                                      ("fused", 256), ("xla_bias", 256)])
 def test_ranks(method, R):
   args = make_problem(3, 3, 200, R, seed=4)
   draft = jm.sample_draft(*args, config=_config(method, 128, R))
@@ -271,14 +273,16 @@ def test_loop_forms_agree(unroll, k_loop, serpentine):
   args = make_problem(5, 3, 300, 80, seed=19)
   ref_tokens, ref_logits = jm.reference.sample_draft(*args)
   for method, block_b in METHODS_AND_TILES:
-    config = jm.KernelConfig(method, block_b, 128, 32, unroll=unroll,
-                             k_loop=k_loop, serpentine=serpentine)
+    config = jm.KernelConfig(method=method, block_b=block_b, block_v=128,
+                             block_k=32, unroll=unroll, k_loop=k_loop,
+                             serpentine=serpentine)
     draft = jm.sample_draft(*args, config=config)
     np.testing.assert_array_equal(draft.tokens, ref_tokens)
     np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
 
-  _check_changing_rows(20, jm.KernelConfig("fused", 16, 64, 16, unroll=unroll,
-                                            k_loop=k_loop,
+  _check_changing_rows(20, jm.KernelConfig(method="fused", block_b=16,
+                                            block_v=64, block_k=16,
+                                            unroll=unroll, k_loop=k_loop,
                                             serpentine=serpentine))
 
 
@@ -290,8 +294,8 @@ def test_fma_bias_agrees(block_b, block_v, block_k, k_loop):
   the same draft as the reference, both layouts."""
   args = make_problem(5, 3, 300, 80, seed=23)
   ref_tokens, ref_logits = jm.reference.sample_draft(*args)
-  config = jm.KernelConfig("fused", block_b, block_v, block_k, k_loop=k_loop,
-                           bias_dot="fma")
+  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=block_v,
+                           block_k=block_k, k_loop=k_loop, bias_dot="fma")
   draft = jm.sample_draft(*args, config=config)
   np.testing.assert_array_equal(draft.tokens, ref_tokens)
   np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
@@ -309,8 +313,9 @@ def test_proj_l2_rows_changes_no_result(block_b, bias_dot, select, k_loop,
   program and step: the same draft as the reference, both layouts."""
   args = make_problem(5, 3, 300, 80, seed=27)
   ref_tokens, ref_logits = jm.reference.sample_draft(*args)
-  config = jm.KernelConfig("fused", block_b, 64, 32, k_loop=k_loop,
-                           bias_dot=bias_dot, select=select,
+  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=64,
+                           block_k=32, k_loop=k_loop, bias_dot=bias_dot,
+                           select=select,
                            proj_l2_rows=proj_l2_rows)
   draft = jm.sample_draft(*args, config=config)
   np.testing.assert_array_equal(draft.tokens, ref_tokens)
@@ -329,8 +334,9 @@ def test_tail_select_agrees(block_v, k_loop, unroll):
                       temperature=np.array([1.0, 0.0, 1.0, 0.7, 0.0]))
   ref_tokens, ref_logits = jm.reference.sample_draft(*args)
   for select in ("pass", "tail"):
-    config = jm.KernelConfig("fused", 1, block_v, 32, k_loop=k_loop,
-                             unroll=unroll, bias_dot="fma", select=select)
+    config = jm.KernelConfig(method="fused", block_b=1, block_v=block_v,
+                             block_k=32, k_loop=k_loop, unroll=unroll,
+                             bias_dot="fma", select=select)
     draft = jm.sample_draft(*args, config=config)
     np.testing.assert_array_equal(draft.tokens, ref_tokens)
     np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
@@ -352,7 +358,8 @@ def test_one_launch_selects_edge_rows(select):
   one_step = (args[0][:, :1], anchor, head, t, seeds, pos[:, :1])
   for problem in (one_step, args):
     drafts = [jm.sample_draft(*problem, config=jm.KernelConfig(
-        "fused", 1, 64, 16, bias_dot="fma", select=s)) for s in ("pass", select)]
+        method="fused", block_b=1, block_v=64, block_k=16, bias_dot="fma",
+        select=s)) for s in ("pass", select)]
     np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
     np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
   np.testing.assert_array_equal(drafts[1].tokens[1], [0, 0])  # of args
@@ -371,16 +378,18 @@ def test_persistent_draft_agrees(block_v, block_k, serpentine):
                       temperature=np.array([1.0, 0.0, 1.0, 0.7, 0.0]))
   ref_tokens, ref_logits = jm.reference.sample_draft(*args)
   drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
-      "fused", 1, block_v, block_k, bias_dot="fma", select=select,
-      serpentine=serpentine)) for select in ("pass", "persistent")]
+      method="fused", block_b=1, block_v=block_v, block_k=block_k,
+      bias_dot="fma", select=select, serpentine=serpentine))
+            for select in ("pass", "persistent")]
   np.testing.assert_array_equal(drafts[1].tokens, drafts[0].tokens)
   np.testing.assert_array_equal(drafts[1].logits, drafts[0].logits)
   np.testing.assert_array_equal(drafts[1].tokens, ref_tokens)
   np.testing.assert_allclose(drafts[1].logits, ref_logits, rtol=2e-6, atol=2e-5)
   check_sample_draft(drafts[1], *args)
-  _check_changing_rows(31, jm.KernelConfig("fused", 1, block_v, block_k,
+  _check_changing_rows(31, jm.KernelConfig(method="fused", block_b=1,
+                                           block_v=block_v, block_k=block_k,
                                            bias_dot="fma", select="persistent",
                                            serpentine=serpentine))
 
 
-METHODS_AND_TILES = [("fused", 16), ("reference", 1)]
+METHODS_AND_TILES = [("fused", 16), ("xla_bias", 1)]

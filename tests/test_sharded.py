@@ -123,8 +123,8 @@ def test_rejects_bad_mesh_axis_and_exchange():
   with pytest.raises(TypeError, match="jax.sharding.Mesh"):
     sharded.sample_draft_sharded(*args, mesh=jax.devices())
   with pytest.raises(ValueError, match="disagrees with config.method"):
-    sharded.sample_draft_sharded(*args, mesh=_mesh1(), method="reference",
-                                 config=jm.KernelConfig("fused"))
+    sharded.sample_draft_sharded(*args, mesh=_mesh1(), method="xla_bias",
+                                 config=jm.KernelConfig(method="fused"))
 
 
 def test_rejects_bad_shapes_like_sample_draft():
@@ -153,7 +153,8 @@ def test_gpu_all_devices_small(exchange):
   mesh = Mesh(np.array(devices), ("vocab",))
   V = 1024 * n
   args = make_problem(16, 3, V, 64, seed=33)
-  config = jm.KernelConfig("fused", 16, 256, 64)  # V / n = 4 blocks per shard
+  # V / n = 4 blocks per shard
+  config = jm.KernelConfig(method="fused", block_b=16, block_v=256, block_k=64)
   draft = sharded.sample_draft_sharded(*args, mesh=mesh, exchange=exchange,
                                        config=config)
   single = jm.sample_draft(*args, config=config)

@@ -45,7 +45,7 @@ def _problem(B, V, R, temperature, seed):
   return base, anchor, head, t, seeds, positions, base_row
 
 
-@pytest.mark.parametrize("method,temperature", [("fused", 1.0), ("reference", 0.6)])
+@pytest.mark.parametrize("method,temperature", [("fused", 1.0), ("xla_bias", 0.6)])
 def test_joint_of_two_steps_follows_the_chain(method, temperature):
   """P(t0, t1) = softmax(l0 / T)[t0] * softmax(l1(t0) / T)[t1]: the marginal of
   step 0 and the conditional of step 1 on the drawn token at once."""

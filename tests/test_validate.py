@@ -1,5 +1,7 @@
 """Bad input raises a clear error before anything compiles."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -64,49 +66,54 @@ def test_head_dtypes(args):
 def test_bad_method_and_config(args):
   with pytest.raises(ValueError, match="method must be one of"):
     jm.sample_draft(*args, method="gumbel")
+  fused = functools.partial(jm.KernelConfig, method="fused")
+  xla_bias = functools.partial(jm.KernelConfig, method="xla_bias", block_b=1)
+  with pytest.raises(ValueError, match="method must be one of"):
+    jm.KernelConfig(method="reference")  # the jnp spec is jm.reference
+  with pytest.raises(TypeError):
+    jm.KernelConfig("fused", 16, 128)  # keyword-only: a config names fields
   with pytest.raises(ValueError, match="power of two"):
-    jm.KernelConfig("fused", 16, 100)
+    fused(block_b=16, block_v=100)
   with pytest.raises(ValueError, match=">= 16"):
-    jm.KernelConfig("fused", 4, 128)
+    fused(block_b=4, block_v=128)
   with pytest.raises(ValueError, match="bias_dot must be"):
-    jm.KernelConfig("fused", 16, 128, bias_dot="wmma")
+    fused(block_b=16, block_v=128, bias_dot="wmma")
   with pytest.raises(ValueError, match="k_loop must be"):
-    jm.KernelConfig("fused", 16, 128, k_loop="while")
+    fused(block_b=16, block_v=128, k_loop="while")
   # On the CUDA cores any power-of-two request tile and rank chunk will do.
-  assert jm.KernelConfig("fused", 4, 128, 8, bias_dot="fma").block_b == 4
+  assert fused(block_b=4, block_v=128, block_k=8, bias_dot="fma").block_b == 4
   with pytest.raises(ValueError, match="select must be"):
-    jm.KernelConfig("fused", 1, 128, bias_dot="fma", select="gumbel")
+    fused(block_b=1, block_v=128, bias_dot="fma", select="gumbel")
   # The tail select draws for one request a program (fused only).
   with pytest.raises(ValueError, match="block_b=1"):
-    jm.KernelConfig("fused", 4, 128, 8, bias_dot="fma", select="tail")
+    fused(block_b=4, block_v=128, block_k=8, bias_dot="fma", select="tail")
   with pytest.raises(ValueError, match="fused"):
-    jm.KernelConfig("reference", 1, 128, select="tail")
+    xla_bias(block_v=128, select="tail")
   with pytest.raises(ValueError, match="proj_l2_rows must be >= 0"):
-    jm.KernelConfig("fused", 16, 128, proj_l2_rows=-1)
+    fused(block_b=16, block_v=128, proj_l2_rows=-1)
   with pytest.raises(ValueError, match="needs the fused method"):
-    jm.KernelConfig("reference", 1, 128, proj_l2_rows=1024)
+    xla_bias(block_v=128, proj_l2_rows=1024)
   # The persistent draft: one request a program, the bias on the CUDA cores.
   for kw in (dict(block_b=16), dict(block_b=16, bias_dot="mma"),
              dict(proj_l2_rows=128)):
     fields = dict(block_b=1, block_v=128, bias_dot="fma", select="persistent")
     with pytest.raises(ValueError, match="select='persistent' needs"):
-      jm.KernelConfig("fused", **{**fields, **kw})
+      fused(**{**fields, **kw})
   with pytest.raises(ValueError, match="select='persistent' needs"):
-    jm.KernelConfig("reference", 1, 128, bias_dot="fma", select="persistent")
+    xla_bias(block_v=128, bias_dot="fma", select="persistent")
   with pytest.raises(ValueError, match="programs must be >= 0"):
-    jm.KernelConfig("fused", 1, 128, bias_dot="fma", programs=4)
+    fused(block_b=1, block_v=128, bias_dot="fma", programs=4)
   with pytest.raises(ValueError, match="programs must be >= 0"):
-    jm.KernelConfig("fused", 1, 128, bias_dot="fma", select="persistent",
-                    programs=-1)
-
+    fused(block_b=1, block_v=128, bias_dot="fma", select="persistent",
+          programs=-1)
 
 def test_persistent_draft_refuses_programs_that_could_wait_forever(args):
   """The barrier needs every program of a request resident: more than one in
   the interpreter (programs run in turn), or more than the multiprocessors,
   would wait forever, so they are refused before anything runs."""
   from jax_markov.kernels.draft_pass import check_programs
-  config = jm.KernelConfig("fused", 1, 64, 16, bias_dot="fma",
-                           select="persistent", programs=2)
+  config = jm.KernelConfig(method="fused", block_b=1, block_v=64, block_k=16,
+                           bias_dot="fma", select="persistent", programs=2)
   with pytest.raises(ValueError, match="needs programs=1"):
     jm.sample_draft(*args, config=config, interpret=True)
   with pytest.raises(ValueError, match="multiprocessors"):
@@ -119,35 +126,43 @@ def test_persistent_draft_refuses_programs_that_could_wait_forever(args):
   check_programs(512, 1, interpret=False, num_sms=132)  # each waits for itself
 
 
-def test_block_pass_checks_its_options():
-  """A direct block_pass call is refused what KernelConfig refuses."""
+def test_block_pass_checks_its_operands():
+  """A direct block_pass call (a native runtime's entry) is refused operands
+  its configuration does not take: the method's form of the bias, the
+  persistent draft, and the tail select's counters."""
   from jax_markov.kernels.block_pass import block_pass
   base = jnp.zeros((2, 64), jnp.float32)
-  head = (jnp.zeros((64, 16)), jnp.zeros((64, 16)), jnp.zeros((2,), jnp.int32),
-          None)
+  head = (jnp.zeros((64, 16)), jnp.zeros((64, 16)), jnp.zeros((2,), jnp.int32))
+  bias = jnp.zeros((2, 64), jnp.float32)
   step, params = jnp.zeros((1,), jnp.int32), jnp.ones((3, 2), jnp.float32)
-  kw = dict(num_steps=1, num_cache_rows=2, block_v=32, interpret=True)
-  with pytest.raises(ValueError, match="tensor-core tile"):
-    block_pass(base, head, step, params, block_b=8, block_k=16, **kw)
-  with pytest.raises(ValueError, match="tensor-core tile"):
-    block_pass(base, head, step, params, block_b=16, block_k=8, **kw)
-  with pytest.raises(ValueError, match="needs the fused method"):
-    block_pass(base, (jnp.zeros((2, 64), jnp.float32),), step, params,
-               block_b=1, proj_l2_rows=32, **kw)
+  kw = dict(num_steps=1, num_cache_rows=2, interpret=True)
+  fused = jm.KernelConfig(method="fused", block_b=16, block_v=32, block_k=16)
+  xla_bias = jm.KernelConfig(method="xla_bias", block_b=1, block_v=32)
+  with pytest.raises(ValueError, match="bias_or_head=\\(embed, proj"):
+    block_pass(base, bias, step, params, config=fused, **kw)
+  with pytest.raises(ValueError, match="bias_or_head=bias"):
+    block_pass(base, head, step, params, config=xla_bias, **kw)
+  with pytest.raises(ValueError, match="no tokens"):
+    block_pass(base, bias, step, params, None, None,
+               jnp.zeros((2,), jnp.int32), config=xla_bias, **kw)
   with pytest.raises(ValueError, match="runs the whole draft"):
-    block_pass(base, head, step, params, block_b=1, block_k=16,
-               bias_dot="fma", select="persistent", **kw)
+    block_pass(base, head, step, params, config=jm.KernelConfig(
+        method="fused", block_b=1, block_v=32, block_k=16, bias_dot="fma",
+        select="persistent"), **kw)
+  with pytest.raises(ValueError, match="counters"):
+    block_pass(base, head, step, params, counters=jnp.zeros((1,), jnp.int32),
+               config=fused, **kw)
 
 
 def test_block_pass_tail_needs_counters():
   from jax_markov.kernels.block_pass import block_pass
   base = jnp.zeros((2, 64), jnp.float32)
-  head = (jnp.zeros((64, 16)), jnp.zeros((64, 16)), jnp.zeros((2,), jnp.int32),
-          None)
+  head = (jnp.zeros((64, 16)), jnp.zeros((64, 16)), jnp.zeros((2,), jnp.int32))
   params = jnp.ones((3, 2), jnp.float32)
   step = jnp.zeros((1,), jnp.int32)
-  kw = dict(num_steps=1, num_cache_rows=2, block_b=1, block_v=32, block_k=16,
-            bias_dot="fma", select="tail", interpret=True)
+  config = jm.KernelConfig(method="fused", block_b=1, block_v=32, block_k=16,
+                           bias_dot="fma", select="tail")
+  kw = dict(config=config, num_steps=1, num_cache_rows=2, interpret=True)
   with pytest.raises(ValueError, match="counters int32 \\[2\\]"):
     block_pass(base, head, step, params, **kw)
   with pytest.raises(ValueError, match="counters int32"):

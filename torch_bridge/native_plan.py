@@ -107,17 +107,12 @@ def lower_bucket(shape: DraftShape, bucket: int,
       _spec((1,), i32))
 
   tail = cfg.select == "tail"
-  kw = dict(num_steps=s, num_cache_rows=m * s, block_b=cfg.block_b,
-            block_v=cfg.block_v, block_k=cfg.block_k, k_loop=cfg.k_loop,
-            serpentine=cfg.serpentine, bias_dot=cfg.bias_dot,
-            select=cfg.select, proj_l2_rows=cfg.proj_l2_rows,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+  kw = dict(config=cfg, num_steps=s, num_cache_rows=m * s)
 
   def block_fn(base, embed, proj, anchors, tokens, step, params, rows, cache,
                *counters):
-    return block_pass(base, (embed, proj, anchors, tokens), step, params,
-                      rows, cache, counters=counters[0] if tail else None,
-                      **kw)
+    return block_pass(base, (embed, proj, anchors), step, params, rows, cache,
+                      tokens, counters[0] if tail else None, **kw)
 
   specs = [_spec((bp * s, v), sh.base_dtype),
            _spec((sh.vocab_in, r), sh.head_dtype),
@@ -133,8 +128,7 @@ def lower_bucket(shape: DraftShape, bucket: int,
 
     def select_fn(bmax, bsum, barg, cache, step, params, rows, tokens):
       return select_pass(bmax, bsum, barg, cache, step, params, rows, tokens,
-                         num_steps=s, block_v=cfg.block_v,
-                         num_warps=cfg.select_warps)
+                         config=cfg, num_steps=s)
 
     out["select_pass"] = ir_cache.get_or_lower(
         {**desc, "kernel": "select_pass"}, select_fn,

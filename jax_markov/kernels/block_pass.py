@@ -4,10 +4,11 @@ Each program takes a tile of ``block_b`` requests and ``block_v`` vocabulary
 columns and
 
 1. forms the pre-temperature logits ``x = base + bias`` in float32, where the
-   bias comes either from a [B, V] float32 array computed beforehand (the
-   reference design: an XLA GEMM writes it to HBM, the block pass reads it back)
-   or, fused, from the tile's embeddings [block_b, R] (rows of embed gathered
-   by the previous tokens) times the projection block [block_v, R], on the
+   bias comes either from a [B, V] float32 array computed beforehand
+   (method "xla_bias", vLLM's design: an XLA GEMM writes it to HBM, the block
+   pass reads it back) or, fused, from the tile's embeddings [block_b, R]
+   (rows of embed gathered by the previous tokens) times the projection block
+   [block_v, R], on the
    tensor cores or, for one request a program, the CUDA cores (proj is read
    once per step for the whole tile and the bias never reaches HBM);
 2. stores x to the cache row of each request (rows < 0 are padding: no store);
@@ -30,42 +31,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_markov.kernels.config import KernelConfig
+from jax_markov.kernels.named_call import named_call
 from jax_markov.kernels.select_pass import draw_token
 
-K_LOOPS = ("fori", "static")
-BIAS_DOTS = ("mma", "fma")
-SELECTS = ("pass", "tail", "persistent")
-
-
-def check_options(*, fused: bool, block_b: int, block_k: int, k_loop: str,
-                  bias_dot: str, select: str, proj_l2_rows: int) -> None:
-  """Raises ValueError for an option the block pass does not have."""
-  for name, value, allowed in (("k_loop", k_loop, K_LOOPS),
-                               ("bias_dot", bias_dot, BIAS_DOTS),
-                               ("select", select, SELECTS)):
-    if value not in allowed:
-      raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-  if fused and bias_dot == "mma" and (block_b < 16 or block_k < 16):
-    raise ValueError("fused with bias_dot='mma': block_b and block_k must be "
-                     f">= 16 (tensor-core tile), got block_b={block_b}, "
-                     f"block_k={block_k}")
-  if select == "tail" and not (fused and block_b == 1):
-    # One request a program: its block statistics are single values, stored
-    # by the thread that also counts, so the count's release covers them.
-    raise ValueError("select='tail' needs the fused method with block_b=1, "
-                     f"got fused={fused}, block_b={block_b}")
-  if select == "persistent" and not (fused and block_b == 1
-                                     and bias_dot == "fma"
-                                     and proj_l2_rows == 0):
-    # kernels/draft_pass.py: one request a program, the bias on the CUDA
-    # cores, no cache hints.
-    raise ValueError("select='persistent' needs the fused method with "
-                     "block_b=1, bias_dot='fma' and proj_l2_rows=0, got "
-                     f"fused={fused}, block_b={block_b}, bias_dot={bias_dot!r}, "
-                     f"proj_l2_rows={proj_l2_rows}")
-  if proj_l2_rows < 0 or (proj_l2_rows and not fused):
-    raise ValueError("proj_l2_rows must be >= 0 and needs the fused method, "
-                     f"got {proj_l2_rows} (fused={fused})")
+# The pallas_call's operands, in order: the inputs that are given, then all
+# the outputs ("tokens" and "counters" only with select="tail"). An output
+# updates the input of the same name in place when that input is given.
+INPUTS = ("base", "embed", "proj", "anchors", "tokens", "bias", "step",
+          "params", "cache_rows", "cache", "counters")
+OUTPUTS = ("cache", "block_max", "block_sum", "block_argmax", "tokens",
+           "counters")
+ALIASED = ("cache", "tokens", "counters")
 
 
 def num_request_tiles(batch: int, block_b: int) -> int:
@@ -97,29 +74,26 @@ def block_statistics(x, v_mask, scale, v0):
   return y_max, y_sum, y_arg
 
 
-def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
-                       has_cache_in: bool, block_b: int, block_v: int,
-                       block_k: int, batch: int,
-                       steps: int, vocab: int, rank: int, k_loop: str,
-                       serpentine: bool, bias_dot: str, tail: bool,
-                       keep_blocks: int, precision):
-  if fused:
-    base_ref, embed_ref, proj_ref, anchors_ref, *refs = refs
-    tokens_ref = refs.pop(0) if has_tokens else None
-  else:
-    base_ref, bias_ref, *refs = refs
-  step_ref, params_ref, *refs = refs
-  cache_rows_ref = None if dense else refs.pop(0)
-  if has_cache_in:
-    refs.pop(0)  # aliased with cache_ref: the same buffer
-  if tail:
-    refs.pop(0)  # the counters, aliased with counter_ref
-  cache_ref, bmax_ref, bsum_ref, barg_ref, *refs = refs
-  tokens_out_ref, counter_ref = refs if tail else (None, None)
+def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
+                       steps: int, vocab: int, rank: int, keep_blocks: int,
+                       precision):
+  fused = config.fused
+  block_b, block_v, block_k = config.block_b, config.block_v, config.block_k
+  bias_dot = config.bias_dot
+  base_ref, step_ref, params_ref = ins["base"], ins["step"], ins["params"]
+  # Absent: the dense layout (draw d writes cache row d).
+  cache_rows_ref = ins.get("cache_rows")
+  # Absent at step 0: the previous token is the anchor.
+  tokens_ref = ins.get("tokens")
+  # The cache is read back (tail select) through the output ref: with a cache
+  # given, it is the same buffer as the input of that name.
+  cache_ref = outs["cache"]
+  bmax_ref, bsum_ref, barg_ref = (outs["block_max"], outs["block_sum"],
+                                  outs["block_argmax"])
 
   i = pl.program_id(0)
   j = pl.program_id(1)
-  if serpentine:
+  if config.serpentine:
     # Odd steps walk the vocabulary from its end: the programs that start
     # first then read the proj blocks the step before read last, which are
     # still in L2 (proj is the same every step and larger than L2, so in one
@@ -149,7 +123,8 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
     # The previous token of each request: its anchor at step 0, else what the
     # select pass drew at step - 1. Its embedding row is gathered here, so no
     # [B, R] embedding array passes between the kernels.
-    prev = plgpu.load(anchors_ref.at[b_idx], mask=b_mask, other=0)
+    embed_ref, proj_ref = ins["embed"], ins["proj"]
+    prev = plgpu.load(ins["anchors"].at[b_idx], mask=b_mask, other=0)
     if tokens_ref is not None:
       drawn = plgpu.load(tokens_ref.at[draw - 1],
                          mask=b_mask & (step_ref[0] > 0), other=0)
@@ -182,7 +157,7 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
     num_chunks = pl.cdiv(rank, block_k)
 
     def bias_loop(acc, proj_policy):
-      if k_loop == "fori":
+      if config.k_loop == "fori":
         # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
         # while the tensor cores work on this one.
         return jax.lax.fori_loop(
@@ -206,10 +181,10 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
       x = bias_loop(x, None)
   else:
     rows = jnp.where(b_mask, b_idx, 0)
-    x = x + plgpu.load(bias_ref.at[rows[:, None], cols], mask=tile_mask,
+    x = x + plgpu.load(ins["bias"].at[rows[:, None], cols], mask=tile_mask,
                        other=0)
 
-  if dense:
+  if cache_rows_ref is None:
     write = b_mask
     cache_rows = draw
   else:
@@ -233,18 +208,19 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
   plgpu.store(bsum_ref.at[b_idx, j], y_sum, mask=b_mask)
   plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
 
-  if tail:
+  if config.select == "tail":
     # The count is acq_rel at GPU scope: it releases this program's stores
     # (cache before the block reductions' barrier, statistics by the counting
     # thread), and the program that counts last acquires everyone's.
+    counter_ref = outs["counters"]
     done = plgpu.atomic_add(counter_ref, i, jnp.ones((), jnp.int32))
 
     @pl.when(done == pl.num_programs(1) - 1)
     def _select_tail():
-      # block_b == 1 (check_options): request tile i is request i.
+      # block_b == 1 (KernelConfig checks it): request tile i is request i.
       num_blocks = pl.cdiv(vocab, block_v)
       d = i * steps + step_ref[0]
-      tokens_out_ref[d] = draw_token(
+      outs["tokens"][d] = draw_token(
           bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref, cache_rows_ref,
           i, d, num_blocks=num_blocks,
           blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
@@ -253,16 +229,12 @@ def _block_pass_kernel(*refs, fused: bool, has_tokens: bool, dense: bool,
       counter_ref[i] = 0
 
 
-def block_pass(base: jax.Array, bias_or_head: tuple,
-               step: jax.Array, params: jax.Array,
-               cache_rows: jax.Array | None = None,
-               cache: jax.Array | None = None, *, num_steps: int,
-               num_cache_rows: int, block_b: int, block_v: int,
-               block_k: int = 64, k_loop: str = "fori",
-               serpentine: bool = True, bias_dot: str = "mma",
-               select: str = "pass", counters: jax.Array | None = None,
-               proj_l2_rows: int = 0, num_warps: int = 4, num_stages: int = 1,
-               interpret: bool = False):
+def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
+               params: jax.Array, cache_rows: jax.Array | None = None,
+               cache: jax.Array | None = None,
+               tokens: jax.Array | None = None,
+               counters: jax.Array | None = None, *, config: KernelConfig,
+               num_steps: int, num_cache_rows: int, interpret: bool = False):
   """Runs the block pass of one step.
 
   Draw (b, s) is flat index ``b * S + s`` of ``base``'s rows and of the
@@ -271,47 +243,31 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
 
   Args:
     base: [B * S, V] base logits (bf16, fp16 or fp32), request-major rows.
-    bias_or_head: ``(bias,)`` with bias float32 [B, V] (reference design), or
-      ``(embed, proj, anchors, tokens)`` (fused: the bias is computed in the
-      kernel from the previous token's row of embed [V_in, R] and proj
-      [V, R]). The previous token of request b is ``anchors[b]`` (int32 [B])
-      at step 0 or where tokens is None, else ``tokens[b * S + s - 1]``
-      (tokens: int32 [B * S], what the select pass drew so far).
+    bias_or_head: ``bias`` float32 [B, V] for ``config.method="xla_bias"``,
+      or ``(embed, proj, anchors)`` for "fused": the bias is computed in the
+      kernel from the previous token's row of embed [V_in, R] and proj [V, R]
+      (one dtype). The previous token of request b is ``anchors[b]`` (int32
+      [B]) at step 0 or where tokens is None, else ``tokens[b * S + s - 1]``.
     step: int32 [1], the step s.
     params: float32 [P >= 1, B * S], the draw parameters; the block pass reads
       row 0, 1 / T per draw or 1 where the draw is greedy (the select pass
-      also reads rows 1 and 2).
+      and the tail select also read rows 1 and 2).
     cache_rows: int32 [B * S], the cache row each draw writes, -1 for none
       (padding); None for the dense layout, where draw (b, s) writes row
       b * S + s.
     cache: float32 [num_cache_rows, V] to update in place, or None to return a
       new cache of which only this step's rows are written.
+    tokens: fused only: int32 [B * S], the tokens drawn at the steps before
+      (read at s - 1); None at step 0. With select="tail" the step's draws
+      are written into it in place.
+    counters: with select="tail" (required), int32 [cdiv(B, block_b)] zeros,
+      one counter per request tile, updated in place and left at zero; else
+      None.
+    config: the launch configuration (method, tile, Triton parameters,
+      select, proj_l2_rows; see :class:`KernelConfig`).
+      ``select="persistent"`` is :func:`draft_pass.draft_pass`, not this.
     num_steps: S (static).
     num_cache_rows: rows of the cache (static).
-    block_b: requests per program (1 for the reference design; >= 16 fused,
-      the tensor cores' smallest tile).
-    block_v: vocabulary columns per program, a power of two.
-    block_k: rank columns per dot (fused only), a power of two >= 16.
-    k_loop: "fori" (a loop over rank chunks that Triton can software-pipeline
-      with num_stages) or "static" (unrolled in Python).
-    serpentine: on odd steps, map the programs to the vocabulary blocks in
-      reverse order, so a step starts on the blocks (of proj) the step before
-      touched last, which L2 still holds. The results do not depend on it.
-    bias_dot: fused only: "mma" (tensor cores; block_b, block_k >= 16) or
-      "fma" (products summed on the CUDA cores; any block_b, for a few
-      requests, where the tensor cores' 16-row tile would be mostly padding).
-    select: "pass" (the select pass draws, a second launch) or "tail" (fused
-      with block_b = 1: the last program of each request tile to finish
-      draws its tokens, so the step is one launch; needs ``counters``).
-    counters: with select="tail", int32 [cdiv(B, block_b)] zeros, one
-      counter per request tile, updated in place and left at zero.
-    proj_l2_rows: fused only: the first rows of proj (rounded up to whole
-      vocabulary blocks) are loaded with an L2 evict_last hint at every step
-      but the last, and base, cache and the rest of proj with evict_first, so
-      those rows of proj stay in L2 from one step to the next (proj is read
-      again every step and is larger than L2). 0: no hints. The results do
-      not depend on it.
-    num_warps, num_stages: Triton launch parameters.
     interpret: run the kernel in the Pallas interpreter (CPU).
 
   Returns:
@@ -322,67 +278,68 @@ def block_pass(base: jax.Array, bias_or_head: tuple,
     select="tail" also (tokens, counters): tokens int32 [B * S] (the tokens
     argument updated, or a new array with only this step's draws written)
     and the counters, zero again.
+
+  Operands of the pallas_call (the order a native runtime binds pointers
+  in): the inputs that are given, in the order ``base, embed, proj, anchors,
+  tokens`` (fused) or ``base, bias`` (xla_bias), then ``step, params,
+  cache_rows, cache, counters``; then the outputs ``cache, block_max,
+  block_sum, block_argmax`` and, with select="tail", ``tokens, counters``.
+  The outputs cache, tokens and counters alias the inputs of the same name
+  where those are given (see :data:`INPUTS`, :data:`OUTPUTS`).
   """
-  fused = len(bias_or_head) == 4
-  if not fused and len(bias_or_head) != 1:
-    raise ValueError("bias_or_head must be (bias,) or (embed, proj, anchors, "
-                     f"tokens), got {len(bias_or_head)} arrays")
-  check_options(fused=fused, block_b=block_b, block_k=block_k, k_loop=k_loop,
-                bias_dot=bias_dot, select=select, proj_l2_rows=proj_l2_rows)
-  if select == "persistent":
+  if config.select == "persistent":
     raise ValueError("select='persistent' runs the whole draft as "
                      "draft_pass.draft_pass, not step by step")
-  tail = select == "tail"
-  has_tokens = fused and bias_or_head[3] is not None
-  if fused and not has_tokens:
-    bias_or_head = bias_or_head[:3]
+  fused = config.fused
+  if fused:
+    if not (isinstance(bias_or_head, tuple) and len(bias_or_head) == 3):
+      raise ValueError("method='fused' takes bias_or_head=(embed, proj, "
+                       f"anchors), got {type(bias_or_head).__name__}")
+    embed, proj, anchors = bias_or_head
+    bias = None
+  else:
+    if isinstance(bias_or_head, tuple) or tokens is not None:
+      raise ValueError("method='xla_bias' takes bias_or_head=bias float32 "
+                       "[B, V] and no tokens")
+    embed = proj = anchors = None
+    bias = bias_or_head
+  tail = config.select == "tail"
   batch, vocab = base.shape[0] // num_steps, base.shape[1]
-  rank = bias_or_head[1].shape[1] if fused else 0
-  num_blocks = pl.cdiv(vocab, block_v)
-  num_tiles = num_request_tiles(batch, block_b)
-  if tail and (counters is None or counters.shape != (num_tiles,)
-               or counters.dtype != jnp.int32):
-    raise ValueError(f"select='tail' needs counters int32 [{num_tiles}], got "
-                     f"{None if counters is None else counters.shape}")
-  keep_blocks = min(pl.cdiv(proj_l2_rows, block_v), num_blocks)
+  rank = proj.shape[1] if fused else 0
+  num_blocks = pl.cdiv(vocab, config.block_v)
+  num_tiles = num_request_tiles(batch, config.block_b)
+  if tail != (counters is not None) or (
+      tail and (counters.shape != (num_tiles,) or counters.dtype != jnp.int32)):
+    raise ValueError(f"select='tail' needs counters int32 [{num_tiles}] "
+                     "(and any other select none), got "
+                     f"{None if counters is None else counters.shape} with "
+                     f"select={config.select!r}")
+  keep_blocks = min(pl.cdiv(config.proj_l2_rows, config.block_v), num_blocks)
   precision = None
-  if fused and bias_or_head[1].dtype == jnp.float32:
+  if fused and proj.dtype == jnp.float32:
     precision = jax.lax.Precision.HIGHEST  # no tf32: keep float32 products
-  dense = cache_rows is None
-  kernel = functools.partial(
-      _block_pass_kernel, fused=fused, has_tokens=has_tokens, dense=dense,
-      has_cache_in=cache is not None, block_b=block_b, block_v=block_v,
-      block_k=block_k, batch=batch, steps=num_steps, vocab=vocab, rank=rank,
-      k_loop=k_loop, serpentine=serpentine, bias_dot=bias_dot, tail=tail,
-      keep_blocks=keep_blocks, precision=precision)
-  inputs = (base, *bias_or_head, step, params)
-  if not dense:
-    inputs = (*inputs, cache_rows)
-  aliases = {}
-  if cache is not None:
-    aliases[len(inputs)] = 0
-    inputs = (*inputs, cache)
-  out_shape = (
-      jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
-      jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),
-      jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),
-      jax.ShapeDtypeStruct((batch, num_blocks), jnp.int32),
+  given = dict(base=base, embed=embed, proj=proj, anchors=anchors,
+               tokens=tokens, bias=bias, step=step, params=params,
+               cache_rows=cache_rows, cache=cache, counters=counters)
+  outputs = dict(
+      cache=jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
+      block_max=jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),
+      block_sum=jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),
+      block_argmax=jax.ShapeDtypeStruct((batch, num_blocks), jnp.int32),
   )
   if tail:
-    if has_tokens:  # the tokens input (after base, embed, proj, anchors)
-      aliases[4] = 4
-    aliases[len(inputs)] = 5
-    inputs = (*inputs, counters)
-    out_shape = (*out_shape,
-                 jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32),
-                 jax.ShapeDtypeStruct((num_tiles,), jnp.int32))
-  return pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
+    outputs["tokens"] = jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32)
+    outputs["counters"] = jax.ShapeDtypeStruct((num_tiles,), jnp.int32)
+  kernel = functools.partial(
+      _block_pass_kernel, config=config, batch=batch, steps=num_steps,
+      vocab=vocab, rank=rank, keep_blocks=keep_blocks, precision=precision)
+  out = named_call(
+      kernel, {name: given[name] for name in INPUTS}, outputs,
+      aliased=ALIASED,
       grid=(num_tiles, num_blocks),
-      input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
-                                           num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
       interpret=interpret,
       name="markov_block_pass",
-  )(*inputs)
+  )
+  return tuple(out.values())

@@ -37,7 +37,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_markov.kernels.block_pass import block_statistics
+from jax_markov.kernels.config import KernelConfig
+from jax_markov.kernels.named_call import named_call
 from jax_markov.kernels.select_pass import draw_token
+
+# The pallas_call's operands, in order: the inputs that are given, then the
+# outputs. The outputs cache and counters update the inputs of those names in
+# place (cache where it is given).
+INPUTS = ("base", "embed", "proj", "anchors", "params", "cache_rows", "cache",
+          "counters")
+OUTPUTS = ("cache", "block_max", "block_sum", "block_argmax", "tokens",
+           "counters")
 
 
 def multiprocessors() -> int | None:
@@ -67,15 +77,18 @@ def check_programs(batch: int, programs: int, *, interpret: bool,
         f"{num_sms} multiprocessors")
 
 
-def _draft_kernel(*refs, dense: bool, has_cache_in: bool, steps: int,
-                  vocab: int, rank: int, block_v: int, block_k: int,
-                  programs: int, serpentine: bool):
-  base_ref, embed_ref, proj_ref, anchors_ref, params_ref, *refs = refs
-  cache_rows_ref = None if dense else refs.pop(0)
-  if has_cache_in:
-    refs.pop(0)  # aliased with cache_ref
-  refs.pop(0)  # the counters, aliased with counter_ref
-  cache_ref, bmax_ref, bsum_ref, barg_ref, tokens_ref, counter_ref = refs
+def _draft_kernel(ins, outs, *, steps: int, vocab: int, rank: int,
+                  block_v: int, block_k: int, programs: int, serpentine: bool):
+  base_ref, embed_ref, proj_ref = ins["base"], ins["embed"], ins["proj"]
+  params_ref = ins["params"]
+  cache_rows_ref = ins.get("cache_rows")  # absent: the dense layout
+  # Through the outputs: the cache and the counters alias the inputs of those
+  # names (where given), so their input refs are not read.
+  cache_ref, tokens_ref, counter_ref = (outs["cache"], outs["tokens"],
+                                        outs["counters"])
+  bmax_ref, bsum_ref, barg_ref = (outs["block_max"], outs["block_sum"],
+                                  outs["block_argmax"])
+  dense = cache_rows_ref is None
 
   b = pl.program_id(0)
   p = pl.program_id(1)
@@ -169,17 +182,14 @@ def _draft_kernel(*refs, dense: bool, has_cache_in: bool, steps: int,
 
     return token
 
-  jax.lax.fori_loop(0, steps, one_step, anchors_ref[b])
+  jax.lax.fori_loop(0, steps, one_step, ins["anchors"][b])
 
 
 def draft_pass(base: jax.Array, embed: jax.Array, proj: jax.Array,
                anchors: jax.Array, params: jax.Array,
                cache_rows: jax.Array | None = None,
-               cache: jax.Array | None = None, *, num_steps: int,
-               num_cache_rows: int, programs: int, block_v: int,
-               block_k: int = 64, serpentine: bool = True,
-               num_warps: int = 4, num_stages: int = 3,
-               interpret: bool = False):
+               cache: jax.Array | None = None, *, config: KernelConfig,
+               num_steps: int, num_cache_rows: int, interpret: bool = False):
   """Runs all S steps of a draft in one launch.
 
   Args:
@@ -194,59 +204,64 @@ def draft_pass(base: jax.Array, embed: jax.Array, proj: jax.Array,
       writes row d).
     cache: float32 [num_cache_rows, V] to update in place, or None to return a
       new one (dense: every row is written).
+    config: a configuration with select="persistent" (KernelConfig then
+      holds block_b=1, bias_dot="fma"); the draft pass reads block_v,
+      block_k (rank columns summed per loop iteration), serpentine (odd steps
+      take each program's blocks in reverse order; the results do not depend
+      on it), programs (P, programs per request, see :func:`check_programs`;
+      0: the multiprocessors split over the requests, 1 in the interpreter),
+      num_warps and num_stages.
     num_steps: S (static).
     num_cache_rows: rows of the cache (static).
-    programs: P, programs per request (see :func:`check_programs`); 0: the
-      multiprocessors split over the requests (1 in the interpreter).
-    block_v: vocabulary columns per block, a power of two.
-    block_k: rank columns summed per loop iteration, a power of two.
-    serpentine: odd steps take each program's blocks in reverse order (the
-      results do not depend on it).
-    num_warps, num_stages: Triton launch parameters.
     interpret: run in the Pallas interpreter (CPU; programs must be 1).
 
   Returns:
     (cache float32 [num_cache_rows, V], tokens int32 [B * S]).
+
+  Operands of the pallas_call (the order a native runtime binds pointers
+  in): the inputs that are given, in the order ``base, embed, proj, anchors,
+  params, cache_rows, cache, counters``, then the outputs ``cache, block_max,
+  block_sum, block_argmax, tokens, counters`` (see :data:`INPUTS`,
+  :data:`OUTPUTS`). counters is int32 [B] zeros, made here; each request's
+  counter ends at S * P. The block statistics are float32 / int32
+  [B * S, NB] scratch, one row per draw. The outputs cache and counters
+  alias the inputs of those names.
   """
+  if config.select != "persistent":
+    raise ValueError("the draft pass runs select='persistent' configurations, "
+                     f"got select={config.select!r}")
   steps = num_steps
+  block_v = config.block_v
   batch, vocab = base.shape[0] // steps, base.shape[1]
   rank = proj.shape[1]
   num_sms = None if interpret else multiprocessors()
+  programs = config.programs
   if programs == 0:
     programs = max(1, (num_sms or 1) // batch)
   check_programs(batch, programs, interpret=interpret, num_sms=num_sms)
   num_blocks = pl.cdiv(vocab, block_v)
-  dense = cache_rows is None
-  counters = jnp.zeros((batch,), jnp.int32)
-  inputs = (base, embed, proj, anchors, params)
-  if not dense:
-    inputs = (*inputs, cache_rows)
-  aliases = {}
-  if cache is not None:
-    aliases[len(inputs)] = 0
-    inputs = (*inputs, cache)
-  aliases[len(inputs)] = 5
-  inputs = (*inputs, counters)
+  given = dict(base=base, embed=embed, proj=proj, anchors=anchors,
+               params=params, cache_rows=cache_rows, cache=cache,
+               counters=jnp.zeros((batch,), jnp.int32))
   kernel = functools.partial(
-      _draft_kernel, dense=dense, has_cache_in=cache is not None, steps=steps,
-      vocab=vocab, rank=rank, block_v=block_v, block_k=block_k,
-      programs=programs, serpentine=serpentine)
-  out_shape = (
-      jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
-      jax.ShapeDtypeStruct((batch * steps, num_blocks), jnp.float32),
-      jax.ShapeDtypeStruct((batch * steps, num_blocks), jnp.float32),
-      jax.ShapeDtypeStruct((batch * steps, num_blocks), jnp.int32),
-      jax.ShapeDtypeStruct((batch * steps,), jnp.int32),
-      jax.ShapeDtypeStruct((batch,), jnp.int32),
+      _draft_kernel, steps=steps, vocab=vocab, rank=rank, block_v=block_v,
+      block_k=config.block_k, programs=programs, serpentine=config.serpentine)
+  outputs = dict(
+      cache=jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
+      block_max=jax.ShapeDtypeStruct((batch * steps, num_blocks), jnp.float32),
+      block_sum=jax.ShapeDtypeStruct((batch * steps, num_blocks), jnp.float32),
+      block_argmax=jax.ShapeDtypeStruct((batch * steps, num_blocks),
+                                        jnp.int32),
+      tokens=jax.ShapeDtypeStruct((batch * steps,), jnp.int32),
+      counters=jax.ShapeDtypeStruct((batch,), jnp.int32),
   )
-  cache, _, _, _, tokens, _ = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
+  out = named_call(
+      kernel, {name: given[name] for name in INPUTS}, outputs,
+      aliased=("cache", "counters"),
       grid=(batch, programs),
-      input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps,
-                                           num_stages=num_stages),
+      compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
+                                           num_stages=config.num_stages),
       interpret=interpret,
       name="markov_draft_pass",
-  )(*inputs)
-  return cache, tokens
+  )
+  return out["cache"], out["tokens"]

@@ -28,6 +28,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_markov.kernels.config import KernelConfig
+from jax_markov.kernels.named_call import named_call
+
+# The pallas_call's operands, in order: the inputs that are given, then the
+# output, which updates the input tokens in place when that is given.
+INPUTS = ("block_max", "block_sum", "block_argmax", "cache", "step", "params",
+          "cache_rows", "tokens")
+OUTPUTS = ("tokens",)
+
 
 def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
                cache_rows_ref, b, d, *, num_blocks: int, blocks_pow2: int,
@@ -89,27 +98,23 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
   return jnp.clip(token, 0, vocab - 1)
 
 
-def _select_pass_kernel(*refs, dense: bool, has_tokens_in: bool,
-                        num_blocks: int, blocks_pow2: int, block_v: int,
-                        steps: int, vocab: int):
-  bmax_ref, bsum_ref, barg_ref, cache_ref, step_ref, params_ref, *refs = refs
-  cache_rows_ref = None if dense else refs.pop(0)
-  if has_tokens_in:
-    refs.pop(0)  # aliased with tokens_ref: the same buffer
-  (tokens_ref,) = refs
+def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
+                        block_v: int, steps: int, vocab: int):
   b = pl.program_id(0)
-  d = b * steps + step_ref[0]  # this draw's flat index in the [B * S] arrays
-  tokens_ref[d] = draw_token(
-      bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref, cache_rows_ref, b,
-      d, num_blocks=num_blocks, blocks_pow2=blocks_pow2, block_v=block_v,
-      vocab=vocab)
+  d = b * steps + ins["step"][0]  # this draw's flat index in the [B * S] arrays
+  # Written through the output ref: with tokens given, the same buffer as the
+  # input of that name, which the kernel does not read.
+  outs["tokens"][d] = draw_token(
+      ins["block_max"], ins["block_sum"], ins["block_argmax"], ins["cache"],
+      ins["params"], ins.get("cache_rows"), b, d, num_blocks=num_blocks,
+      blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab)
 
 
 def select_pass(block_max: jax.Array, block_sum: jax.Array,
                 block_argmax: jax.Array, cache: jax.Array, step: jax.Array,
                 params: jax.Array, cache_rows: jax.Array | None = None,
-                tokens: jax.Array | None = None, *, num_steps: int,
-                block_v: int, num_warps: int = 4, interpret: bool = False):
+                tokens: jax.Array | None = None, *, config: KernelConfig,
+                num_steps: int, interpret: bool = False):
   """Runs the select pass of one step.
 
   Args:
@@ -124,34 +129,37 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array,
     tokens: int32 [B * S] to update in place (the tokens of the steps
       before), or None to return a new array of which only this step's
       entries are written.
+    config: the launch configuration; the select pass reads block_v (the
+      block pass's) and select_warps.
     num_steps: S (static).
-    block_v: the block pass's block size.
-    num_warps: Triton launch parameter.
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
     tokens int32 [B * S], with draw (b, s) at b * S + s written.
+
+  Operands of the pallas_call (the order a native runtime binds pointers
+  in): the inputs that are given, in the order ``block_max, block_sum,
+  block_argmax, cache, step, params, cache_rows, tokens``, then the output
+  ``tokens``, which aliases the input tokens where it is given (see
+  :data:`INPUTS`, :data:`OUTPUTS`).
   """
   batch, num_blocks = block_max.shape
   vocab = cache.shape[1]
-  dense = cache_rows is None
   kernel = functools.partial(
-      _select_pass_kernel, dense=dense, has_tokens_in=tokens is not None,
-      num_blocks=num_blocks, blocks_pow2=pl.next_power_of_2(num_blocks),
-      block_v=block_v, steps=num_steps, vocab=vocab)
-  inputs = (block_max, block_sum, block_argmax, cache, step, params)
-  if not dense:
-    inputs = (*inputs, cache_rows)
-  aliases = {}
-  if tokens is not None:
-    aliases = {len(inputs): 0}
-    inputs = (*inputs, tokens)
-  return pl.pallas_call(
-      kernel,
-      out_shape=jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32),
+      _select_pass_kernel, num_blocks=num_blocks,
+      blocks_pow2=pl.next_power_of_2(num_blocks), block_v=config.block_v,
+      steps=num_steps, vocab=vocab)
+  given = dict(block_max=block_max, block_sum=block_sum,
+               block_argmax=block_argmax, cache=cache, step=step,
+               params=params, cache_rows=cache_rows, tokens=tokens)
+  out = named_call(
+      kernel, {name: given[name] for name in INPUTS},
+      dict(tokens=jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32)),
+      aliased=("tokens",),
       grid=(batch,),
-      input_output_aliases=aliases,
-      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+      compiler_params=plgpu.CompilerParams(num_warps=config.select_warps,
+                                           num_stages=1),
       interpret=interpret,
       name="markov_select_pass",
-  )(*inputs)
+  )
+  return out["tokens"]

@@ -1,0 +1,113 @@
+"""KernelConfig: the static launch configuration every kernel wrapper takes.
+
+One frozen (hashable) object, so it is a static argument of the jitted
+sampler and of each kernel wrapper; the wrappers read their block sizes,
+Triton parameters and variants from it instead of from one keyword each.
+Its fields are keyword-only: a configuration names what it sets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+METHODS = ("fused", "xla_bias")
+K_LOOPS = ("fori", "static")
+BIAS_DOTS = ("mma", "fma")
+SELECTS = ("pass", "tail", "persistent")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class KernelConfig:
+  """Static launch configuration of one step's kernels.
+
+  Attributes:
+    method: "fused" (the bias dot inside the block pass) or "xla_bias" (an
+      XLA GEMM writes the bias [B, V] to HBM and the block pass reads it:
+      vLLM's design).
+    block_b: requests per block-pass program (1 for "xla_bias").
+    block_v: vocabulary columns per block-pass program (power of two).
+    block_k: rank columns per dot, fused only (power of two >= 16).
+    k_loop: fused only: "fori" loops over the rank chunks in a loop Triton
+      software-pipelines (num_stages deep); "static" unrolls it in Python.
+    num_warps, num_stages: Triton parameters of the block pass (and of the
+      draft pass).
+    select_warps: Triton warps of the select pass.
+    unroll: unroll the steps; None: unroll when compiled. On GPU a rolled
+      loop reads its trip predicate back to the host every step; unrolled,
+      all 2S launches are queued at once with constant step indices. The
+      interpreter compiles faster rolled.
+    serpentine: the block pass walks the vocabulary backwards on odd steps,
+      so each step starts on the proj blocks that L2 still holds from the
+      step before (proj is read every step and is larger than L2).
+    bias_dot: fused only: "mma" computes the bias tile on the tensor cores
+      (block_b and block_k >= 16), "fma" on the CUDA cores (any block_b: for
+      a few requests).
+    select: "pass" draws in a second launch a step (the select pass); "tail"
+      (fused, block_b = 1) draws in the block pass's program that finishes
+      the step last, one launch a step; "persistent" (fused, block_b = 1,
+      bias_dot="fma") runs the whole draft in one launch of persistent
+      programs that meet at a barrier each step and all draw
+      (kernels/draft_pass.py).
+    programs: with select="persistent", programs per request; 0: one per
+      multiprocessor split over the requests (1 in the interpreter).
+    proj_l2_rows: fused only: the first proj_l2_rows rows of proj stay in L2
+      across the steps (an evict_last hint on their loads, evict_first on
+      every other stream); 0: no cache hints.
+  """
+  method: str = "fused"
+  block_b: int = 16
+  block_v: int = 256
+  block_k: int = 64
+  num_warps: int = 4
+  num_stages: int = 1
+  select_warps: int = 4
+  unroll: bool | None = None
+  k_loop: str = "fori"
+  serpentine: bool = True
+  bias_dot: str = "mma"
+  select: str = "pass"
+  proj_l2_rows: int = 0
+  programs: int = 0
+
+  def __post_init__(self):
+    for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
+                          ("bias_dot", BIAS_DOTS), ("select", SELECTS)):
+      value = getattr(self, name)
+      if value not in allowed:
+        raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    for name in ("block_b", "block_v", "block_k", "num_warps"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two, got {value}")
+    fused = self.fused
+    if fused and self.bias_dot == "mma" and (self.block_b < 16
+                                             or self.block_k < 16):
+      raise ValueError("fused with bias_dot='mma': block_b and block_k must "
+                       f"be >= 16 (tensor-core tile), got block_b="
+                       f"{self.block_b}, block_k={self.block_k}")
+    if self.select == "tail" and not (fused and self.block_b == 1):
+      # One request a program: its block statistics are single values, stored
+      # by the thread that also counts, so the count's release covers them.
+      raise ValueError("select='tail' needs the fused method with block_b=1, "
+                       f"got method={self.method!r}, block_b={self.block_b}")
+    if self.select == "persistent" and not (fused and self.block_b == 1
+                                            and self.bias_dot == "fma"
+                                            and self.proj_l2_rows == 0):
+      # kernels/draft_pass.py: one request a program, the bias on the CUDA
+      # cores, no cache hints.
+      raise ValueError(
+          "select='persistent' needs the fused method with block_b=1, "
+          f"bias_dot='fma' and proj_l2_rows=0, got method={self.method!r}, "
+          f"block_b={self.block_b}, bias_dot={self.bias_dot!r}, "
+          f"proj_l2_rows={self.proj_l2_rows}")
+    if self.proj_l2_rows < 0 or (self.proj_l2_rows and not fused):
+      raise ValueError("proj_l2_rows must be >= 0 and needs the fused method, "
+                       f"got {self.proj_l2_rows} (method={self.method!r})")
+    if self.programs < 0 or (self.programs and self.select != "persistent"):
+      raise ValueError("programs must be >= 0 and is for select='persistent', "
+                       f"got {self.programs} with select={self.select!r}")
+
+  @property
+  def fused(self) -> bool:
+    """The bias dot runs inside the block pass."""
+    return self.method == "fused"
