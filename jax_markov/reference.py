@@ -3,8 +3,13 @@
 The draw rule (one row x of float32 logits, temperature T, uniform u):
 
 * NaN logits count as -inf: they are never drawn.
-* y = x * (1 / T) when T > 0, y = x when T == 0; m = max(y).
-* T == 0, or m not finite (every logit -inf/NaN, or a +inf logit): the token is
+* The draw is greedy unless T > 0: T == 0, and also a negative or NaN T (the
+  entry points refuse those when they can read them; under jit they cannot).
+* y = x * scale with scale = max(1 / T, 2^-126) when T > 0, y = x when
+  greedy; m = max(y). The floor keeps -inf logits at -inf for T = +inf (and
+  for T > 2^126, where 1 / T would be subnormal and may be flushed to zero):
+  those draw as T = 2^126, uniformly over the finite logits of ordinary size.
+* greedy, or m not finite (every logit -inf/NaN, or a +inf logit): the token is
   the lowest index of the maximum of y (0 when the whole row is -inf/NaN).
 * otherwise p_j = exp(y_j - m), Z = sum_j p_j, and the token is the smallest i
   with u * Z < sum_{j <= i} p_j: the inverse CDF in vocabulary order. Should
@@ -31,12 +36,29 @@ def bias(head, prev: jax.Array) -> jax.Array:
       preferred_element_type=jnp.float32)
 
 
+# The smallest normal float32: 1 / T is floored here (see the module doc).
+MIN_SCALE = 2.0**-126
+
+
+def draw_params(temperature: jax.Array):
+  """(scale float32, greedy bool) per draw from float temperatures, any shape.
+
+  greedy wherever NOT (T > 0): zero, negative and NaN temperatures draw the
+  argmax; scale = max(1 / T, 2^-126) elsewhere, 1 where greedy.
+  """
+  t = temperature.astype(jnp.float32)
+  greedy = ~(t > 0)
+  scale = jnp.where(greedy, 1.0,
+                    jnp.maximum(1.0 / jnp.where(greedy, 1.0, t), MIN_SCALE))
+  return scale, greedy
+
+
 def draw(logits: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
   """Draws one token per row by the rule above.
 
   Args:
     logits: float32 [B, V] pre-temperature logits.
-    temperature: float [B], >= 0.
+    temperature: float [B], >= 0 (greedy wherever not > 0).
     u: float32 [B] uniforms in [0, 1).
 
   Returns:
@@ -44,9 +66,7 @@ def draw(logits: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
   """
   x = logits.astype(jnp.float32)
   x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-  t = temperature.astype(jnp.float32)
-  greedy = t == 0
-  scale = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, t))
+  scale, greedy = draw_params(temperature)
   y = x * scale[:, None]
   m = jnp.max(y, axis=-1)
   first_max = jnp.argmax(y, axis=-1).astype(jnp.int32)

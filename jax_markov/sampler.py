@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_markov import rng, validate
+from jax_markov import reference, rng, validate
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
@@ -131,18 +131,56 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
 def _draw_params(temperature, valid, u):
   """The kernels' per-draw parameters, float32 [3, B * S], from [B, S] arrays.
 
-  Rows: 1 / T (1 where greedy), 1.0 where the draw is greedy (T == 0 or
-  padding), the uniform. One array, so XLA computes them in one fusion.
+  Rows: 1 / T (1 where greedy), 1.0 where the draw is greedy, the uniform. One
+  array, so XLA computes them in one fusion. A draw is greedy wherever NOT
+  (T > 0), or padding: under jit a negative or NaN temperature cannot be
+  refused, and greedy is the one reading of it that draws a valid token
+  without inventing a distribution. 1 / T is floored at 2^-126
+  (reference.draw_params) so that T = +inf keeps -inf logits at -inf (0 * -inf
+  would be NaN) and draws uniformly over the finite logits.
   """
-  t = temperature.astype(jnp.float32)
-  greedy = (t == 0) | ~valid
-  scale = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, t))
+  scale, greedy = reference.draw_params(temperature)
+  greedy = greedy | ~valid
+  scale = jnp.where(greedy, 1.0, scale)
   return jnp.stack([scale, greedy.astype(jnp.float32), u]).reshape(3, -1)
+
+
+_NOT_DIFFERENTIABLE = (
+    "{name} is not differentiable: it draws discrete tokens, and the Pallas "
+    "kernels have no derivative rules. For gradients of the logits, "
+    "differentiate base_logits + jm.reference.bias(head, prev) (plain jnp), "
+    "with the drawn tokens as prev; wrap the sampler's inputs in "
+    "jax.lax.stop_gradient to draw inside a differentiated function.")
+
+
+def _no_derivative(name):
+  """An identity on pytrees that raises TypeError when differentiated.
+
+  Without it, jax.grad / jax.jvp of the sampler stop at an AssertionError
+  inside Pallas's interpreter or lowering, which names neither the sampler
+  nor the reason. A custom_jvp is seen by every transformation that needs a
+  derivative (grad, jvp, vjp, jacfwd, linearize), also through jit, and costs
+  nothing otherwise.
+  """
+  @jax.custom_jvp
+  def guard(x):
+    return x
+
+  @guard.defjvp
+  def _(primals, tangents):
+    raise TypeError(_NOT_DIFFERENTIABLE.format(name=name))
+
+  return guard
+
+
+_guard_draft = _no_derivative("jm.sample_draft")
+_guard_draft_into = _no_derivative("jm.sample_draft_into")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
                   config, interpret):
+  base, head, temperature = _guard_draft((base, head, temperature))
   B, S, V = base.shape
   u = rng.uniforms_from_words(words, positions)
   valid = jnp.ones((B, S), bool)
@@ -156,6 +194,8 @@ def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
 
 def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
                             words, idx_map, positions, *, config, interpret):
+  cache, base, head, temperature = _guard_draft_into(
+      (cache, base, head, temperature))
   B, S, V = base.shape
   N = cache.shape[0]
   idx_map = idx_map.astype(jnp.int32)
@@ -227,8 +267,7 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
   validate.check_temperature(temperature, B, "B", check_values=check_values)
-  words = rng.seed_words(seeds)
-  validate.check_seed_words(words, B, "B")
+  words = rng.check_seeds(seeds, B, "B")
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
   return _sample_draft(_as_array(base_logits), _as_array(anchor_tokens),
@@ -268,8 +307,7 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
                                   check_values=check_values)
   N = validate.check_cache(cache, idx_map, B, S, V, check_values=check_values)
   validate.check_temperature(temperature, N, "N", check_values=check_values)
-  words = rng.seed_words(seeds)
-  validate.check_seed_words(words, N, "N")
+  words = rng.check_seeds(seeds, N, "N")
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
   fn = _sample_draft_into_donated if donate else _sample_draft_into
