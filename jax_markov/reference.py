@@ -4,7 +4,8 @@ The draw rule (one row x of float32 logits, temperature T, uniform u):
 
 * NaN logits count as -inf: they are never drawn.
 * The draw is greedy unless T > 0: T == 0, and also a negative or NaN T (the
-  entry points refuse those when they can read them; under jit they cannot).
+  entry points refuse those when they can read them; under jit they cannot),
+  and a subnormal T (below 2^-126), whose 1 / T overflows float32.
 * y = x * scale with scale = max(1 / T, 2^-126) when T > 0, y = x when
   greedy; m = max(y). The floor keeps -inf logits at -inf for T = +inf (and
   for T > 2^126, where 1 / T would be subnormal and may be flushed to zero):
@@ -44,12 +45,15 @@ def draw_params(temperature: jax.Array):
   """(scale float32, greedy bool) per draw from float temperatures, any shape.
 
   greedy wherever NOT (T > 0): zero, negative and NaN temperatures draw the
-  argmax; scale = max(1 / T, 2^-126) elsewhere, 1 where greedy.
+  argmax, and so does a subnormal T whose 1 / T overflows; scale =
+  max(1 / T, 2^-126) elsewhere, 1 where greedy.
   """
   t = temperature.astype(jnp.float32)
-  greedy = ~(t > 0)
-  scale = jnp.where(greedy, 1.0,
-                    jnp.maximum(1.0 / jnp.where(greedy, 1.0, t), MIN_SCALE))
+  inv = 1.0 / jnp.where(t > 0, t, 1.0)
+  # A subnormal T overflows 1 / T to inf, and inf * 0 would be NaN: that is
+  # the limit T -> 0+, the argmax.
+  greedy = ~(t > 0) | (inv == jnp.inf)
+  scale = jnp.where(greedy, 1.0, jnp.maximum(inv, MIN_SCALE))
   return scale, greedy
 
 
@@ -114,7 +118,7 @@ def sample_draft(base_logits, anchor_tokens, head, temperature, seeds, positions
 def _sample_draft_into(cache, base_logits, anchor_tokens, head, temperature,
                        words, idx_map, positions):
   S = base_logits.shape[1]
-  valid = idx_map >= 0
+  valid = (idx_map >= 0) & (idx_map < cache.shape[0])  # else padding, as the kernels
   rows = jnp.where(valid, idx_map, 0)
   # Padding rows draw greedily: their token is any valid id by contract.
   t = jnp.where(valid, temperature[rows], 0.0)

@@ -199,7 +199,10 @@ def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
   B, S, V = base.shape
   N = cache.shape[0]
   idx_map = idx_map.astype(jnp.int32)
-  valid = idx_map >= 0
+  # A row outside [0, N) is padding: refused when concrete, but under jit it
+  # would make the kernels store and load past the cache (Triton does not
+  # bounds-check), so it writes nothing instead.
+  valid = (idx_map >= 0) & (idx_map < N)
   rows = jnp.where(valid, idx_map, 0)
   u = rng.uniforms_from_words(words[rows].reshape(B * S, 2),
                               positions.reshape(B * S, 1)).reshape(B, S)
