@@ -74,7 +74,14 @@ def draw(logits: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
   y = x * scale[:, None]
   m = jnp.max(y, axis=-1)
   first_max = jnp.argmax(y, axis=-1).astype(jnp.int32)
-  p = jnp.exp(y - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])
+  # p = exp(y - m) computed as exp((x - max x) * scale), equal up to float32
+  # rounding (scale > 0 keeps the order). Written as y - m, XLA's CPU compiler
+  # recomputes y inside the fusion and contracts it to fma(x, scale, -m): the
+  # maximum's own p became exp(its rounding error of x * scale), at T = 1e-30
+  # exp(+-1e23), 0 or inf, and the draw fell out of [0, V). Here the maximum's
+  # p is exp(0 * scale) = 1 whatever the compiler contracts.
+  mx = jnp.max(x, axis=-1)
+  p = jnp.exp((x - jnp.where(jnp.isfinite(mx), mx, 0.0)[:, None]) * scale[:, None])
   cdf = jnp.cumsum(p, axis=-1)
   target = u.astype(jnp.float32) * cdf[:, -1]
   idx = jnp.sum(cdf <= target[:, None], axis=-1).astype(jnp.int32)
