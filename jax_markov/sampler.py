@@ -249,10 +249,12 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
     base_logits: [B, S, V] bf16, fp16 or fp32 backbone logits.
     anchor_tokens: int [B], the token before the first draft position.
     head: the Markov head (embed [V_in >= V, R], proj [V, R], one dtype).
-    temperature: float [B] >= 0; 0 draws the argmax (lowest index on ties).
+    temperature: float [B] >= 0; 0 draws the argmax (lowest index on ties);
+      +inf draws uniformly over the finite logits. Negative or NaN values are
+      refused when concrete and draw greedily under jit.
     seeds: [B] integer seeds (int64 NumPy arrays keep all 64 bits), or uint32
       [B, 2] already split; see :func:`jax_markov.rng.seed_words`.
-    positions: int [B, S] >= 0, the position each draw is keyed by.
+    positions: int [B, S] in [0, 2^31), the position each draw is keyed by.
     interpret: run the Pallas kernels in interpret mode; None picks it on any
       backend but GPU.
     method: "fused" or "reference" (bias GEMM in XLA, as vLLM's design); None
@@ -266,6 +268,11 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
     pre-temperature values base + bias with the bias accumulated in float32.
     A row whose logits are all -inf or NaN draws token 0; NaN logits are never
     drawn and are returned in ``logits`` as computed.
+
+  Raises:
+    ValueError / TypeError, before anything compiles, for bad shapes, dtypes
+    and (concrete) values; TypeError under jax.grad / jax.jvp (not
+    differentiable). docs/limitations.md lists what jit leaves unchecked.
   """
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
@@ -299,12 +306,18 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
     base_logits, anchor_tokens, head, positions: as in :func:`sample_draft`.
     temperature: float [N] >= 0, per state row.
     seeds: [N] integer seeds or uint32 [N, 2], per state row.
-    idx_map: int [B, S] in [-1, N); no state row twice within a step.
+    idx_map: int [B, S] in [-1, N); no state row twice within a step. Under
+      jit, where it cannot be refused, a row outside [0, N) is padding.
     interpret, method, config, check_values: as in :func:`sample_draft`.
     donate: donate ``cache`` to the call.
 
   Returns:
     (tokens int32 [B, S], cache float32 [N, S, V]).
+
+  Raises:
+    As :func:`sample_draft`, and ValueError for a cache already donated to an
+    earlier call. Every check runs before the call: a refused call writes
+    nothing and donates nothing.
   """
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
