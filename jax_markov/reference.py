@@ -3,8 +3,14 @@
 The draw rule (one row x of float32 logits, temperature T, uniform u):
 
 * NaN logits count as -inf: they are never drawn.
-* y = x * (1 / T) when T > 0, y = x when T == 0; m = max(y).
-* T == 0, or m not finite (every logit -inf/NaN, or a +inf logit): the token is
+* The draw is greedy unless T > 0: T == 0, and also a negative or NaN T (the
+  entry points refuse those when they can read them; under jit they cannot),
+  and a subnormal T (below 2^-126), whose 1 / T overflows float32.
+* y = x * scale with scale = max(1 / T, 2^-126) when T > 0, y = x when
+  greedy; m = max(y). The floor keeps -inf logits at -inf for T = +inf (and
+  for T > 2^126, where 1 / T would be subnormal and may be flushed to zero):
+  those draw as T = 2^126, uniformly over the finite logits of ordinary size.
+* greedy, or m not finite (every logit -inf/NaN, or a +inf logit): the token is
   the lowest index of the maximum of y (0 when the whole row is -inf/NaN).
 * otherwise p_j = exp(y_j - m), Z = sum_j p_j, and the token is the smallest i
   with u * Z < sum_{j <= i} p_j: the inverse CDF in vocabulary order. Should
@@ -31,12 +37,32 @@ def bias(head, prev: jax.Array) -> jax.Array:
       preferred_element_type=jnp.float32)
 
 
+# The smallest normal float32: 1 / T is floored here (see the module doc).
+MIN_SCALE = 2.0**-126
+
+
+def draw_params(temperature: jax.Array):
+  """(scale float32, greedy bool) per draw from float temperatures, any shape.
+
+  greedy wherever NOT (T > 0): zero, negative and NaN temperatures draw the
+  argmax, and so does a subnormal T whose 1 / T overflows; scale =
+  max(1 / T, 2^-126) elsewhere, 1 where greedy.
+  """
+  t = temperature.astype(jnp.float32)
+  inv = 1.0 / jnp.where(t > 0, t, 1.0)
+  # A subnormal T overflows 1 / T to inf, and inf * 0 would be NaN: that is
+  # the limit T -> 0+, the argmax.
+  greedy = ~(t > 0) | (inv == jnp.inf)
+  scale = jnp.where(greedy, 1.0, jnp.maximum(inv, MIN_SCALE))
+  return scale, greedy
+
+
 def draw(logits: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
   """Draws one token per row by the rule above.
 
   Args:
     logits: float32 [B, V] pre-temperature logits.
-    temperature: float [B], >= 0.
+    temperature: float [B], >= 0 (greedy wherever not > 0).
     u: float32 [B] uniforms in [0, 1).
 
   Returns:
@@ -44,13 +70,18 @@ def draw(logits: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
   """
   x = logits.astype(jnp.float32)
   x = jnp.where(jnp.isnan(x), -jnp.inf, x)
-  t = temperature.astype(jnp.float32)
-  greedy = t == 0
-  scale = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, t))
+  scale, greedy = draw_params(temperature)
   y = x * scale[:, None]
   m = jnp.max(y, axis=-1)
   first_max = jnp.argmax(y, axis=-1).astype(jnp.int32)
-  p = jnp.exp(y - jnp.where(jnp.isfinite(m), m, 0.0)[:, None])
+  # p = exp(y - m) computed as exp((x - max x) * scale), equal up to float32
+  # rounding (scale > 0 keeps the order). Written as y - m, XLA's CPU compiler
+  # recomputes y inside the fusion and contracts it to fma(x, scale, -m): the
+  # maximum's own p became exp(its rounding error of x * scale), at T = 1e-30
+  # exp(+-1e23), 0 or inf, and the draw fell out of [0, V). Here the maximum's
+  # p is exp(0 * scale) = 1 whatever the compiler contracts.
+  mx = jnp.max(x, axis=-1)
+  p = jnp.exp((x - jnp.where(jnp.isfinite(mx), mx, 0.0)[:, None]) * scale[:, None])
   cdf = jnp.cumsum(p, axis=-1)
   target = u.astype(jnp.float32) * cdf[:, -1]
   idx = jnp.sum(cdf <= target[:, None], axis=-1).astype(jnp.int32)
@@ -94,7 +125,7 @@ def sample_draft(base_logits, anchor_tokens, head, temperature, seeds, positions
 def _sample_draft_into(cache, base_logits, anchor_tokens, head, temperature,
                        words, idx_map, positions):
   S = base_logits.shape[1]
-  valid = idx_map >= 0
+  valid = (idx_map >= 0) & (idx_map < cache.shape[0])  # else padding, as the kernels
   rows = jnp.where(valid, idx_map, 0)
   # Padding rows draw greedily: their token is any valid id by contract.
   t = jnp.where(valid, temperature[rows], 0.0)

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_markov import rng, validate
+from jax_markov import reference, rng, validate
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
@@ -124,18 +124,56 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
 def _draw_params(temperature, valid, u):
   """The kernels' per-draw parameters, float32 [3, B * S], from [B, S] arrays.
 
-  Rows: 1 / T (1 where greedy), 1.0 where the draw is greedy (T == 0 or
-  padding), the uniform. One array, so XLA computes them in one fusion.
+  Rows: 1 / T (1 where greedy), 1.0 where the draw is greedy, the uniform. One
+  array, so XLA computes them in one fusion. A draw is greedy wherever NOT
+  (T > 0), or padding: under jit a negative or NaN temperature cannot be
+  refused, and greedy is the one reading of it that draws a valid token
+  without inventing a distribution. 1 / T is floored at 2^-126
+  (reference.draw_params) so that T = +inf keeps -inf logits at -inf (0 * -inf
+  would be NaN) and draws uniformly over the finite logits.
   """
-  t = temperature.astype(jnp.float32)
-  greedy = (t == 0) | ~valid
-  scale = jnp.where(greedy, 1.0, 1.0 / jnp.where(greedy, 1.0, t))
+  scale, greedy = reference.draw_params(temperature)
+  greedy = greedy | ~valid
+  scale = jnp.where(greedy, 1.0, scale)
   return jnp.stack([scale, greedy.astype(jnp.float32), u]).reshape(3, -1)
+
+
+_NOT_DIFFERENTIABLE = (
+    "{name} is not differentiable: it draws discrete tokens, and the Pallas "
+    "kernels have no derivative rules. For gradients of the logits, "
+    "differentiate base_logits + jm.reference.bias(head, prev) (plain jnp), "
+    "with the drawn tokens as prev; wrap the sampler's inputs in "
+    "jax.lax.stop_gradient to draw inside a differentiated function.")
+
+
+def _no_derivative(name):
+  """An identity on pytrees that raises TypeError when differentiated.
+
+  Without it, jax.grad / jax.jvp of the sampler stop at an AssertionError
+  inside Pallas's interpreter or lowering, which names neither the sampler
+  nor the reason. A custom_jvp is seen by every transformation that needs a
+  derivative (grad, jvp, vjp, jacfwd, linearize), also through jit, and costs
+  nothing otherwise.
+  """
+  @jax.custom_jvp
+  def guard(x):
+    return x
+
+  @guard.defjvp
+  def _(primals, tangents):
+    raise TypeError(_NOT_DIFFERENTIABLE.format(name=name))
+
+  return guard
+
+
+_guard_draft = _no_derivative("jm.sample_draft")
+_guard_draft_into = _no_derivative("jm.sample_draft_into")
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
 def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
                   config, interpret):
+  base, head, temperature = _guard_draft((base, head, temperature))
   B, S, V = base.shape
   u = rng.uniforms_from_words(words, positions)
   valid = jnp.ones((B, S), bool)
@@ -149,10 +187,15 @@ def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
 
 def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
                             words, idx_map, positions, *, config, interpret):
+  cache, base, head, temperature = _guard_draft_into(
+      (cache, base, head, temperature))
   B, S, V = base.shape
   N = cache.shape[0]
   idx_map = idx_map.astype(jnp.int32)
-  valid = idx_map >= 0
+  # A row outside [0, N) is padding: refused when concrete, but under jit it
+  # would make the kernels store and load past the cache (Triton does not
+  # bounds-check), so it writes nothing instead.
+  valid = (idx_map >= 0) & (idx_map < N)
   rows = jnp.where(valid, idx_map, 0)
   u = rng.uniforms_from_words(words[rows].reshape(B * S, 2),
                               positions.reshape(B * S, 1)).reshape(B, S)
@@ -199,10 +242,12 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
     base_logits: [B, S, V] bf16, fp16 or fp32 backbone logits.
     anchor_tokens: int [B], the token before the first draft position.
     head: the Markov head (embed [V_in >= V, R], proj [V, R], one dtype).
-    temperature: float [B] >= 0; 0 draws the argmax (lowest index on ties).
+    temperature: float [B] >= 0; 0 draws the argmax (lowest index on ties);
+      +inf draws uniformly over the finite logits. Negative or NaN values are
+      refused when concrete and draw greedily under jit.
     seeds: [B] integer seeds (int64 NumPy arrays keep all 64 bits), or uint32
       [B, 2] already split; see :func:`jax_markov.rng.seed_words`.
-    positions: int [B, S] >= 0, the position each draw is keyed by.
+    positions: int [B, S] in [0, 2^31), the position each draw is keyed by.
     interpret: run the Pallas kernels in interpret mode; None picks it on any
       backend but GPU.
     method: "fused" (the bias dot inside the block pass) or "xla_bias" (the
@@ -217,12 +262,16 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
     pre-temperature values base + bias with the bias accumulated in float32.
     A row whose logits are all -inf or NaN draws token 0; NaN logits are never
     drawn and are returned in ``logits`` as computed.
+
+  Raises:
+    ValueError / TypeError, before anything compiles, for bad shapes, dtypes
+    and (concrete) values; TypeError under jax.grad / jax.jvp (not
+    differentiable). docs/limitations.md lists what jit leaves unchecked.
   """
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
   validate.check_temperature(temperature, B, "B", check_values=check_values)
-  words = rng.seed_words(seeds)
-  validate.check_seed_words(words, B, "B")
+  words = rng.check_seeds(seeds, B, "B")
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
   return _sample_draft(_as_array(base_logits), _as_array(anchor_tokens),
@@ -251,19 +300,24 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
     base_logits, anchor_tokens, head, positions: as in :func:`sample_draft`.
     temperature: float [N] >= 0, per state row.
     seeds: [N] integer seeds or uint32 [N, 2], per state row.
-    idx_map: int [B, S] in [-1, N); no state row twice within a step.
+    idx_map: int [B, S] in [-1, N); no state row twice within a step. Under
+      jit, where it cannot be refused, a row outside [0, N) is padding.
     interpret, method, config, check_values: as in :func:`sample_draft`.
     donate: donate ``cache`` to the call.
 
   Returns:
     (tokens int32 [B, S], cache float32 [N, S, V]).
+
+  Raises:
+    As :func:`sample_draft`, and ValueError for a cache already donated to an
+    earlier call. Every check runs before the call: a refused call writes
+    nothing and donates nothing.
   """
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
   N = validate.check_cache(cache, idx_map, B, S, V, check_values=check_values)
   validate.check_temperature(temperature, N, "N", check_values=check_values)
-  words = rng.seed_words(seeds)
-  validate.check_seed_words(words, N, "N")
+  words = rng.check_seeds(seeds, N, "N")
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
   fn = _sample_draft_into_donated if donate else _sample_draft_into

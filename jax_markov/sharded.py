@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_markov import rng, validate
+from jax_markov import reference, rng, validate
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
 from jax_markov.kernels.block_pass import block_pass
@@ -303,8 +303,7 @@ def _sample_draft_sharded(base, anchor_tokens, head, temperature, words,
     proj = jnp.pad(proj, ((0, pad), (0, 0)))
   u = rng.uniforms_from_words(words, positions)
   t = jnp.broadcast_to(temperature.astype(jnp.float32)[:, None], (B, S))
-  is_greedy = t == 0
-  scale = jnp.where(is_greedy, 1.0, 1.0 / jnp.where(is_greedy, 1.0, t))
+  scale, is_greedy = reference.draw_params(t)  # greedy wherever not T > 0
   body = functools.partial(_local_steps, axis=axis, vocab=V,
                            exchange=exchange, config=config,
                            interpret=interpret)
@@ -411,8 +410,7 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
   validate.check_temperature(temperature, B, "B", check_values=check_values)
-  words = rng.seed_words(seeds)
-  validate.check_seed_words(words, B, "B")
+  words = rng.check_seeds(seeds, B, "B")
   interpret = _interpret_default(interpret, mesh)
   n = mesh.shape[axis]
   vocab_local = -(-V // n)

@@ -1,12 +1,14 @@
-"""Argument checks that raise before anything compiles.
+"""Argument checks that raise before anything compiles or runs.
 
-Shapes and dtypes are checked always (they are static, also under jit). Values
-(negative temperature, anchor ids outside the embedding table, negative
-positions, state rows outside the cache) are checked when the argument is
+Shapes and dtypes are checked always (they are static, also under jit); booleans
+are refused where integers are expected. Values (negative or NaN temperature,
+anchor ids outside the embedding table, positions outside [0, 2^31), state rows
+outside the cache or named twice in a step) are checked when the argument is
 concrete: a NumPy array, a Python value, or a jax.Array outside a trace when
 ``check_values`` is on; reading a device array's values waits for it, so hot
-loops pass ``check_values=False``. Inside jit nothing is read: an out-of-range
-anchor is clamped by the gather and every token is clamped into [0, V).
+loops pass ``check_values=False``. Inside jit nothing is read; what then happens
+is documented in docs/limitations.md. Every check runs before the jitted call,
+so a refused call writes nothing and donates nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +52,34 @@ def _is_float(dtype) -> bool:
 
 @functools.lru_cache(maxsize=None)
 def _is_int(dtype) -> bool:
+  # bool is not an integer dtype to NumPy either: True as a token id, a
+  # position or a state row is refused.
   return bool(jnp.issubdtype(dtype, jnp.integer))
+
+
+POSITION_END = 1 << 31  # positions are non-negative int32
+
+
+def _check_position_values(pos, where: str = ""):
+  bad = (pos < 0) | (pos >= POSITION_END)
+  _require(not bad.any(),
+           lambda: f"{where}positions must be in [0, 2**31) (non-negative int32: "
+           f"the draw's key takes 32 bits), got {pos[bad][:8].tolist()}")
+
+
+def check_positions(positions, B: int, S: int | None, *, check_values: bool,
+                    where: str = ""):
+  """positions int [B, S] (any S when S is None), values in [0, 2^31)."""
+  shape = _shape(positions)
+  _require(len(shape) == 2 and shape[0] == B and (S is None or shape[1] == S),
+           lambda: f"{where}positions must be [B, S] with B={B}"
+           f"{'' if S is None else f', S={S}'}, got shape {shape}")
+  _require(_is_int(_dtype(positions)),
+           lambda: f"{where}positions must be integers, got {_dtype(positions)}",
+           TypeError)
+  pos = _concrete(positions, check_values)
+  if pos is not None:
+    _check_position_values(pos, where)
 
 
 def _check_head(embed_shape, embed_dtype, proj_shape, proj_dtype, vocab: int):
@@ -113,7 +142,7 @@ def check_common(base_logits, anchor_tokens, head, positions, *, check_values: b
              f"{anchors[bad][:8].tolist()}")
   pos = _concrete(positions, check_values)
   if pos is not None:
-    _require(not (pos < 0).any(), "positions must be >= 0")
+    _check_position_values(pos)
   return B, S, V
 
 
@@ -128,14 +157,13 @@ def check_temperature(temperature, n: int, what: str, *, check_values: bool):
     _require(not (t < 0).any(), lambda: f"temperature must be >= 0, got {t[t < 0][:8].tolist()}")
 
 
-def check_seed_words(words, n: int, what: str):
-  _require(_shape(words) == (n, 2),
-           lambda: f"seeds must be [{what}]=[{n}] (or already split, [{n}, 2]), got "
-           f"{_shape(words)[:-1] if _shape(words)[-1:] == (2,) else _shape(words)}")
-
-
 def check_cache(cache, idx_map, B: int, S: int, V: int, *, check_values: bool):
   """Checks the state-indexed layout. Returns N, the cache's rows."""
+  _require(not (isinstance(cache, jax.Array) and not isinstance(cache, jax.core.Tracer)
+                and cache.is_deleted()),
+           "cache has been deleted: it was donated to an earlier sample_draft_into "
+           "call (donate=True, the default, updates the cache in place). Pass the "
+           "cache that call returned, or donate=False to keep the argument")
   shape = _shape(cache)
   _require(len(shape) == 3 and shape[1:] == (S, V),
            lambda: f"cache must be [N, S, V]=[N, {S}, {V}], got shape {shape}")

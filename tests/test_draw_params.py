@@ -23,7 +23,7 @@ def test_params_follow_the_contract(wide):
   seeds[:2] = [-1, 5]
   if not wide:
     seeds = seeds.astype(np.int32).astype(np.int64)  # int32 seeds
-  temp = np.array([1.0, 0.5, 0.0, -1.0, np.nan, 2.0], np.float32)
+  temp = np.array([1.0, 0.5, 0.0, -1.0, np.nan, np.inf], np.float32)
   idx = np.full(m * s, -1, np.int64)
   for b, r in enumerate([3, 0, 5, 1]):
     idx[b * s:(b + 1) * s] = r
@@ -53,9 +53,9 @@ def test_params_follow_the_contract(wide):
       valid = b < n and 0 <= r < m
       assert rows[d] == (r * s + step if valid else -1), d
       t = temp[r] if valid else 0.0
-      greedy = not t > 0
-      assert params[1, d] == float(greedy), d
-      assert params[0, d] == (1.0 if greedy else np.float32(1) / np.float32(t))
+      scale, greedy = jm.reference.draw_params(jnp.asarray([t], jnp.float32))
+      assert params[1, d] == float(greedy[0]), d
+      assert params[0, d] == scale[0], d
       if valid:
         key = min(max(int(pos[d]), 1), 2**31) - 1
         u = jm.draft_uniforms(seeds[r:r + 1], np.array([[key]]))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_markov as jm
-from helpers import check_draft, check_sample_draft, make_problem
+from helpers import assert_sample_drafts_agree, check_draft, check_sample_draft, make_problem
 from test_sampler import *  # noqa: F401,F403  (re-collected under the gpu mark)
 
 pytestmark = pytest.mark.gpu
@@ -65,18 +65,18 @@ def test_methods_agree_at_deepseek_v4_shape():
   a = jm.sample_draft(*args, method="xla_bias")
   b = jm.sample_draft(*args, method="fused")
   ref = jm.reference.sample_draft(*args)
-  # Greedy chains can only split where two logits tie within float32 rounding
-  # of the bias: check each against its own logits, and count agreement.
-  check_sample_draft(a, *args)
-  check_sample_draft(b, *args)
-  agree = (np.asarray(a.tokens) == np.asarray(b.tokens)).mean()
-  assert agree > 0.9, agree
-  assert (np.asarray(ref[0]) == np.asarray(a.tokens)).mean() > 0.9
+  # Greedy chains can only split where the top two logits lie within float32
+  # rounding of the bias: everywhere else the tokens must be equal.
+  assert_sample_drafts_agree(b, a, *args)
+  assert_sample_drafts_agree(a, ref, *args)
 
 
 def _assert_selects_draw_alike(B, seed, selects):
   """25 drafts at the DeepSeek-V4 shape with the same tile and each select:
-  every token and logit equal (the same per-block arithmetic and draw)."""
+  the same draft within float32 rounding (assert_drafts_agree: logits within
+  Higham's bound, tokens equal wherever the draw is decided beyond it). Two
+  compiled programs need not round alike; a stale read would move logits far
+  past the bound or draw a token away from any CDF boundary."""
   base, anchor, head, _, _, pos = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"],
                                                jnp.bfloat16, seed=seed, head_scale=0.1)
   rng = np.random.default_rng(seed)
@@ -89,9 +89,7 @@ def _assert_selects_draw_alike(B, seed, selects):
     seeds = rng.integers(-2**63, 2**63 - 1, B, dtype=np.int64)
     a, b = (jm.sample_draft(base, anchor, head, t, seeds, pos, config=c,
                             check_values=False) for c in configs)
-    np.testing.assert_array_equal(a.tokens, b.tokens)
-    np.testing.assert_array_equal(a.logits, b.logits)
-  check_sample_draft(b, base, anchor, head, t, seeds, pos)
+    assert_sample_drafts_agree(b, a, base, anchor, head, t, seeds, pos)
 
 
 @pytest.mark.parametrize("B", [1, 4])
@@ -107,18 +105,16 @@ def test_tail_select_matches_select_pass_at_deepseek_v4_shape(B):
                                   (16, 256, 64, "mma", "pass")])
 def test_proj_l2_rows_changes_nothing_at_deepseek_v4_shape(tile):
   """L2 hints (part of proj kept across steps) compile on both bias dots and
-  give bit-for-bit the draft of the same tile without them."""
+  give the draft of the same tile without them (within float32 rounding:
+  two compiled programs)."""
   block_b, block_v, block_k, bias_dot, select = tile
   B = max(1, block_b // 4)
   args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16, seed=29,
                       head_scale=0.1, temperature=np.arange(B) % 2 * 1.0)
   drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
-      method="fused", block_b=block_b, block_v=block_v, block_k=block_k,
-      num_warps=4, num_stages=3, bias_dot=bias_dot, select=select,
-      proj_l2_rows=rows)) for rows in (0, 49152)]
-  np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
-  np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
-  check_sample_draft(drafts[1], *args)
+      method="fused", block_b=block_b, block_v=block_v, block_k=block_k, num_warps=4, num_stages=3, bias_dot=bias_dot,
+      select=select, proj_l2_rows=rows)) for rows in (0, 49152)]
+  assert_sample_drafts_agree(drafts[1], drafts[0], *args)
 
 
 @pytest.mark.parametrize("B", [1, 3])

@@ -2,6 +2,15 @@
 
 On CPU the Pallas kernels run in interpret mode; the same tests run compiled in
 test_gpu.py.
+
+Two implementations (the kernels and the reference, two selects, two layouts,
+two request tiles) sum the bias in their own order, and XLA may contract a
+multiply-add to an FMA in one program and not in another: their float32 logits
+may differ in the last bit, and a draw on a CDF boundary may then go either
+way. They are compared with helpers.assert_drafts_agree (Higham's bound on the
+logits, tokens equal wherever the draw is decided beyond rounding). Bit
+equality is asserted only where the same compiled program reads the same
+values (cache rows no draw names, a repeated call).
 """
 
 import chex
@@ -11,7 +20,8 @@ import numpy as np
 import pytest
 
 import jax_markov as jm
-from helpers import check_draft, check_sample_draft, make_problem
+from helpers import (assert_drafts_agree, assert_sample_drafts_agree,
+                     check_sample_draft, make_problem)
 
 METHODS = ["xla_bias", "fused"]
 
@@ -32,10 +42,7 @@ def test_dtypes_match_reference(method, dtype):
   chex.assert_type(draft.tokens, jnp.int32)
   chex.assert_shape(draft.logits, (5, 3, 300))
   chex.assert_type(draft.logits, jnp.float32)
-  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
-  np.testing.assert_array_equal(draft.tokens, ref_tokens)
-  np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
-  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -48,9 +55,7 @@ def test_dtypes_match_reference(method, dtype):
 def test_vocab_edges(method, V, block_v):
   args = make_problem(4, 2, V, 8, seed=2)
   draft = jm.sample_draft(*args, config=_config(method, block_v, 8))
-  ref_tokens, _ = jm.reference.sample_draft(*args)
-  np.testing.assert_array_equal(draft.tokens, ref_tokens)
-  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
   if V == 1:
     assert (np.asarray(draft.tokens) == 0).all()
 
@@ -59,9 +64,7 @@ def test_vocab_edges(method, V, block_v):
 def test_steps(S):
   args = make_problem(3, S, 200, 8, seed=3)
   draft = jm.sample_draft(*args, config=_config("fused", 64, 8))
-  ref_tokens, _ = jm.reference.sample_draft(*args)
-  np.testing.assert_array_equal(draft.tokens, ref_tokens)
-  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
 
 
 @pytest.mark.parametrize("method,R", [("fused", 1), ("xla_bias", 3), ("fused", 80),
@@ -69,9 +72,7 @@ def test_steps(S):
 def test_ranks(method, R):
   args = make_problem(3, 3, 200, R, seed=4)
   draft = jm.sample_draft(*args, config=_config(method, 128, R))
-  ref_tokens, _ = jm.reference.sample_draft(*args)
-  np.testing.assert_array_equal(draft.tokens, ref_tokens)
-  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
 
 
 @pytest.mark.parametrize("temperature", [
@@ -79,9 +80,7 @@ def test_ranks(method, R):
 def test_temperatures(temperature):
   args = make_problem(6, 3, 250, 8, seed=5, temperature=temperature)
   draft = jm.sample_draft(*args, config=_config("fused", 128, 8))
-  ref_tokens, _ = jm.reference.sample_draft(*args)
-  np.testing.assert_array_equal(draft.tokens, ref_tokens)
-  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
 
 
 def test_tiny_temperature_is_argmax():
@@ -89,13 +88,18 @@ def test_tiny_temperature_is_argmax():
   greedy = make_problem(4, 3, 200, 8, seed=6, temperature=[0.0] * 4)
   a = jm.sample_draft(*args)
   b = jm.sample_draft(*greedy)
+  # One compiled program (only temperature values differ): the same logits
+  # bit for bit, and at T = 1e-6 every token but the max has p = exp(-gap *
+  # 1e6) = 0 for the gaps of these normal logits (checked by the contract).
+  check_sample_draft(a, *args)
+  np.testing.assert_array_equal(a.logits, b.logits)
   np.testing.assert_array_equal(a.tokens, b.tokens)
 
 
 def test_default_config_and_interpret_flag():
   args = make_problem(2, 2, 70, 4, seed=7)
   draft = jm.sample_draft(*args)  # interpret=None picks the interpreter on CPU
-  np.testing.assert_array_equal(draft.tokens, jm.reference.sample_draft(*args)[0])
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -127,7 +131,8 @@ def test_nan_and_all_inf_rows():
     assert (tokens[2] >= 10).all()
     assert ((tokens >= 0) & (tokens < V)).all()
     assert np.isnan(np.asarray(draft.logits[1])).all()
-    np.testing.assert_array_equal(tokens, jm.reference.sample_draft(base, anchor, head, t, seeds, pos)[0])
+    assert_sample_drafts_agree(draft, jm.reference.sample_draft(base, anchor, head, t, seeds, pos),
+                               base, anchor, head, t, seeds, pos)
 
 
 def test_plus_inf_logit_is_drawn_greedily():
@@ -140,25 +145,41 @@ def test_plus_inf_logit_is_drawn_greedily():
 def test_independent_of_batch_and_row():
   args = make_problem(6, 4, 300, 8, seed=11, temperature=[1.0] * 6)
   base, anchor, head, t, seeds, pos = args
-  full = np.asarray(jm.sample_draft(*args).tokens)
+  full = jm.sample_draft(*args)
+
+  def rows(draft, r):
+    r = np.asarray(r)
+    return np.asarray(draft.tokens)[r], np.asarray(draft.logits)[r]
+
+  def agree(a, b, r):  # drafts a and b of the requests r of args
+    r = np.asarray(r)
+    sub = (base[r], anchor[r], head, t[r], seeds[r], pos[r])
+    assert_sample_drafts_agree(a, b, *sub)
+
+  # A request's row in the batch (and so in the request tile) changes the
+  # program's arithmetic at most in the last bits: the draws agree.
   perm = np.array([4, 2, 0, 5, 1, 3])
-  permuted = np.asarray(jm.sample_draft(base[perm], anchor[perm], head, t[perm],
-                                        seeds[perm], pos[perm]).tokens)
-  np.testing.assert_array_equal(permuted, full[perm])
+  permuted = jm.sample_draft(base[perm], anchor[perm], head, t[perm],
+                             seeds[perm], pos[perm])
+  agree(tuple(permuted), rows(full, perm), perm)
   # Other requests' inputs change; request 0 keeps its own.
   other = make_problem(6, 4, 300, 8, seed=12, temperature=[1.0] * 6)
   mixed = (base.at[1:].set(other[0][1:]), anchor.at[1:].set(other[1][1:]), head,
            t, np.concatenate([seeds[:1], other[4][1:]]), pos.at[1:].set(other[5][1:]))
-  alone = np.asarray(jm.sample_draft(*mixed).tokens)
-  np.testing.assert_array_equal(alone[0], full[0])
-  single = np.asarray(jm.sample_draft(base[:1], anchor[:1], head, t[:1], seeds[:1], pos[:1]).tokens)
-  np.testing.assert_array_equal(single[0], full[0])
+  alone = jm.sample_draft(*mixed)
+  agree(rows(alone, [0]), rows(full, [0]), [0])
+  single = jm.sample_draft(base[:1], anchor[:1], head, t[:1], seeds[:1], pos[:1])
+  agree(tuple(single), rows(full, [0]), [0])
+  # The uniforms depend on nothing but the seed and position: this is what
+  # makes the rows above comparable at all.
+  np.testing.assert_array_equal(jm.draft_uniforms(seeds[:1], pos[:1]),
+                                jm.draft_uniforms(seeds, pos)[:1])
 
 
 def test_v_in_larger_than_v():
   args = make_problem(3, 3, 120, 8, seed=13, v_in=200)
   draft = jm.sample_draft(*args)
-  np.testing.assert_array_equal(draft.tokens, jm.reference.sample_draft(*args)[0])
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
 
 
 def _into_problem(seed=14, B=5, S=3, V=200, R=8, N=9):
@@ -174,14 +195,33 @@ def _into_problem(seed=14, B=5, S=3, V=200, R=8, N=9):
   return cache, base, anchor, head, temperature, seeds, jnp.asarray(idx_map), pos
 
 
-def _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache, before):
-  """Tokens and cache as the reference's; cache rows no draw names unchanged.
+def _into_draws(cache, idx_map, temperature, seeds, pos):
+  """Per draw (b, s): its logits cache[idx_map[b, s], s], temperature and
+  uniform, and the bool [B, S] mask of draws that are not padding."""
+  idx_map = np.asarray(idx_map)
+  valid = idx_map >= 0
+  rows = np.where(valid, idx_map, 0)
+  u = np.asarray(jm.draft_uniforms(np.asarray(seeds)[rows].reshape(-1),
+                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
+  logits = np.asarray(cache)[rows, np.arange(rows.shape[1])[None, :]]
+  return logits, np.asarray(temperature)[rows], u, valid
 
-  Returns the bool [B, S] mask of draws that are not padding.
+
+def _assert_into_matches(problem, tokens, new_cache, ref_tokens, ref_cache, before):
+  """Draws agree with the reference's; cache rows no draw names unchanged (bit
+  for bit: nothing may write them).
+
+  problem: the arguments of the call (cache, base, anchor, head, temperature,
+  seeds, idx_map, pos). Returns the bool [B, S] mask of draws that are not
+  padding.
   """
-  valid = np.asarray(idx_map) >= 0
-  np.testing.assert_array_equal(np.asarray(tokens)[valid], np.asarray(ref_tokens)[valid])
-  np.testing.assert_allclose(new_cache, ref_cache, rtol=2e-6, atol=2e-5)
+  _, base, anchor, head, temperature, seeds, idx_map, pos = problem
+  chex.assert_type([tokens, new_cache], [jnp.int32, jnp.float32])
+  chex.assert_shape(new_cache, before.shape)
+  logits, t, u, valid = _into_draws(new_cache, idx_map, temperature, seeds, pos)
+  ref_logits = _into_draws(ref_cache, idx_map, temperature, seeds, pos)[0]
+  assert_drafts_agree((np.asarray(tokens), logits), (np.asarray(ref_tokens), ref_logits),
+                      base, anchor, head, t, u, rows=valid)
   written = np.zeros(before.shape[:2], bool)
   for b, s in zip(*np.nonzero(valid)):
     written[idx_map[b, s], s] = True
@@ -191,26 +231,18 @@ def _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache, befo
 
 @pytest.mark.parametrize("method", METHODS)
 def test_into_matches_reference_and_leaves_other_rows(method):
-  cache, base, anchor, head, temperature, seeds, idx_map, pos = _into_problem()
+  problem = _into_problem()
+  cache, base, anchor, head, temperature, seeds, idx_map, pos = problem
   before = np.asarray(cache)
-  ref_tokens, ref_cache = jm.reference.sample_draft_into(
-      cache, base, anchor, head, temperature, seeds, idx_map, pos)
+  ref_tokens, ref_cache = jm.reference.sample_draft_into(*problem)
   tokens, new_cache = jm.sample_draft_into(
-      cache, base, anchor, head, temperature, seeds, idx_map, pos,
-      config=_config(method, 64, 8), donate=False)
+      *problem, config=_config(method, 64, 8), donate=False)
   chex.assert_shape(tokens, (5, 3))
   chex.assert_type(tokens, jnp.int32)
-  chex.assert_type(new_cache, jnp.float32)
-  valid = _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache,
-                               before)
+  # Padding draws too: their token is some valid id.
   assert ((np.asarray(tokens) >= 0) & (np.asarray(tokens) < 200)).all()
-  # Teacher-forced contract check on the draws that are not padding.
-  rows = np.where(valid, np.asarray(idx_map), 0)
-  u = np.asarray(jm.draft_uniforms(np.asarray(seeds)[rows].reshape(-1),
-                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
-  t = np.asarray(temperature)[rows]
-  logits = np.asarray(new_cache)[rows, np.arange(3)[None, :]]
-  check_draft(tokens, logits, base, anchor, head, t, u, rows=valid)
+  # assert_drafts_agree checks the contract on the draws that are not padding.
+  _assert_into_matches(problem, tokens, new_cache, ref_tokens, ref_cache, before)
 
 
 def test_into_equals_dense_with_gathered_state():
@@ -219,9 +251,9 @@ def test_into_equals_dense_with_gathered_state():
   tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
                                            seeds, idx_map, pos, donate=False)
   rows = np.asarray(idx_map[:, 0])
-  dense = jm.sample_draft(base, anchor, head, temperature[rows], seeds[rows], pos)
-  np.testing.assert_array_equal(tokens, dense.tokens)
-  np.testing.assert_array_equal(np.asarray(new_cache)[rows], dense.logits)
+  dense_args = (base, anchor, head, temperature[rows], seeds[rows], pos)
+  dense = jm.sample_draft(*dense_args)
+  assert_sample_drafts_agree((tokens, np.asarray(new_cache)[rows]), dense, *dense_args)
 
 
 def test_into_donation_updates_in_place():
@@ -232,6 +264,8 @@ def test_into_donation_updates_in_place():
   if jax.default_backend() != "cpu":  # the CPU client may copy donated buffers
     assert new_cache.unsafe_buffer_pointer() == ptr
   tokens2, newer = jm.sample_draft_into(new_cache, *rest)
+  # The same compiled program on the same inputs (the cache rows it reads are
+  # the rows it writes first): the same tokens, bit for bit.
   np.testing.assert_array_equal(tokens, tokens2)
 
 
@@ -240,13 +274,11 @@ def _check_changing_rows(seed, config=None):
   cache, base, anchor, head, temperature, seeds, _, pos = _into_problem(seed=seed, N=12)
   idx_map = jnp.asarray([[0, 5, 11], [3, -1, 4], [7, 8, 0], [1, 1, 1], [-1, 2, 3]],
                         jnp.int32)
+  problem = (cache, base, anchor, head, temperature, seeds, idx_map, pos)
   before = np.asarray(cache)
-  ref_tokens, ref_cache = jm.reference.sample_draft_into(
-      cache, base, anchor, head, temperature, seeds, idx_map, pos)
-  tokens, new_cache = jm.sample_draft_into(cache, base, anchor, head, temperature,
-                                           seeds, idx_map, pos, config=config,
-                                           donate=False)
-  _assert_into_matches(idx_map, tokens, new_cache, ref_tokens, ref_cache, before)
+  ref_tokens, ref_cache = jm.reference.sample_draft_into(*problem)
+  tokens, new_cache = jm.sample_draft_into(*problem, config=config, donate=False)
+  _assert_into_matches(problem, tokens, new_cache, ref_tokens, ref_cache, before)
 
 
 def test_into_state_rows_may_change_between_steps():
@@ -258,9 +290,8 @@ def test_base_dtype_may_differ_from_the_head():
   base, anchor, head, t, seeds, pos = make_problem(4, 3, 150, 8, jnp.bfloat16, seed=18)
   base32 = base.astype(jnp.float32) * 1.5  # not representable in bf16
   draft = jm.sample_draft(base32, anchor, head, t, seeds, pos)
-  np.testing.assert_array_equal(
-      draft.tokens, jm.reference.sample_draft(base32, anchor, head, t, seeds, pos)[0])
-  check_sample_draft(draft, base32, anchor, head, t, seeds, pos)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(base32, anchor, head, t, seeds, pos),
+                             base32, anchor, head, t, seeds, pos)
 
 
 @pytest.mark.parametrize("unroll,k_loop,serpentine",
@@ -271,14 +302,13 @@ def test_loop_forms_agree(unroll, k_loop, serpentine):
   static) and the vocabulary order of odd steps change the program, never the
   draft: both layouts, against the reference."""
   args = make_problem(5, 3, 300, 80, seed=19)
-  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
+  ref = jm.reference.sample_draft(*args)
   for method, block_b in METHODS_AND_TILES:
     config = jm.KernelConfig(method=method, block_b=block_b, block_v=128,
                              block_k=32, unroll=unroll, k_loop=k_loop,
                              serpentine=serpentine)
     draft = jm.sample_draft(*args, config=config)
-    np.testing.assert_array_equal(draft.tokens, ref_tokens)
-    np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+    assert_sample_drafts_agree(draft, ref, *args)
 
   _check_changing_rows(20, jm.KernelConfig(method="fused", block_b=16,
                                             block_v=64, block_k=16,
@@ -293,12 +323,10 @@ def test_fma_bias_agrees(block_b, block_v, block_k, k_loop):
   """The bias on the CUDA cores (bias_dot='fma', request tiles below 16):
   the same draft as the reference, both layouts."""
   args = make_problem(5, 3, 300, 80, seed=23)
-  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
-  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=block_v,
-                           block_k=block_k, k_loop=k_loop, bias_dot="fma")
+  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=block_v, block_k=block_k, k_loop=k_loop,
+                           bias_dot="fma")
   draft = jm.sample_draft(*args, config=config)
-  np.testing.assert_array_equal(draft.tokens, ref_tokens)
-  np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
   _check_changing_rows(20, config)
 
 
@@ -312,14 +340,11 @@ def test_proj_l2_rows_changes_no_result(block_b, bias_dot, select, k_loop,
   of them, one block, or all of proj) take one branch or the other per
   program and step: the same draft as the reference, both layouts."""
   args = make_problem(5, 3, 300, 80, seed=27)
-  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
-  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=64,
-                           block_k=32, k_loop=k_loop, bias_dot=bias_dot,
-                           select=select,
+  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=64, block_k=32, k_loop=k_loop,
+                           bias_dot=bias_dot, select=select,
                            proj_l2_rows=proj_l2_rows)
   draft = jm.sample_draft(*args, config=config)
-  np.testing.assert_array_equal(draft.tokens, ref_tokens)
-  np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
   _check_changing_rows(28, config)
 
 
@@ -332,15 +357,14 @@ def test_tail_select_agrees(block_v, k_loop, unroll):
   both layouts, at temperatures 0 and 1."""
   args = make_problem(5, 3, 300, 80, seed=24,
                       temperature=np.array([1.0, 0.0, 1.0, 0.7, 0.0]))
-  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
+  ref = jm.reference.sample_draft(*args)
+  drafts = []
   for select in ("pass", "tail"):
-    config = jm.KernelConfig(method="fused", block_b=1, block_v=block_v,
-                             block_k=32, k_loop=k_loop, unroll=unroll,
-                             bias_dot="fma", select=select)
-    draft = jm.sample_draft(*args, config=config)
-    np.testing.assert_array_equal(draft.tokens, ref_tokens)
-    np.testing.assert_allclose(draft.logits, ref_logits, rtol=2e-6, atol=2e-5)
-    check_sample_draft(draft, *args)
+    config = jm.KernelConfig(method="fused", block_b=1, block_v=block_v, block_k=32, k_loop=k_loop,
+                             unroll=unroll, bias_dot="fma", select=select)
+    drafts.append(jm.sample_draft(*args, config=config))
+    assert_sample_drafts_agree(drafts[-1], ref, *args)
+  assert_sample_drafts_agree(drafts[1], drafts[0], *args)
   _check_changing_rows(25, config)
 
 
@@ -358,10 +382,12 @@ def test_one_launch_selects_edge_rows(select):
   one_step = (args[0][:, :1], anchor, head, t, seeds, pos[:, :1])
   for problem in (one_step, args):
     drafts = [jm.sample_draft(*problem, config=jm.KernelConfig(
-        method="fused", block_b=1, block_v=64, block_k=16, bias_dot="fma",
-        select=s)) for s in ("pass", select)]
-    np.testing.assert_array_equal(drafts[0].tokens, drafts[1].tokens)
-    np.testing.assert_array_equal(drafts[0].logits, drafts[1].logits)
+        method="fused", block_b=1, block_v=64, block_k=16, bias_dot="fma", select=s)) for s in ("pass", select)]
+    assert_sample_drafts_agree(drafts[1], drafts[0], *problem)
+    # The NaN and infinity pattern comes from base alone: the same in both.
+    for f in (np.isnan, np.isposinf, np.isneginf):
+      np.testing.assert_array_equal(f(np.asarray(drafts[0].logits)),
+                                    f(np.asarray(drafts[1].logits)))
   np.testing.assert_array_equal(drafts[1].tokens[1], [0, 0])  # of args
   assert drafts[1].tokens[2, 1] == 37
 
@@ -370,24 +396,20 @@ def test_one_launch_selects_edge_rows(select):
                          [(64, 32, True), (128, 16, False), (16, 64, True)])
 def test_persistent_draft_agrees(block_v, block_k, serpentine):
   """select='persistent' (the whole draft in one launch; programs meet at a
-  barrier each step and all draw): the same tokens and cache as the block
-  pass with the select pass, bit for bit (the same per-block arithmetic and
-  the same draw), which the reference checks; both layouts, T 0 and > 0. On a
-  GPU the programs per request are the multiprocessors split over B."""
+  barrier each step and all draw): the same draft as the block pass with the
+  select pass and as the reference, both layouts, T 0 and > 0. Not bit for
+  bit: the two are separate programs, which XLA's CPU compiler may round
+  differently (a fresh CPU machine had 11 of 4500 logits 1 ulp apart at
+  block_v=64, issue 16). On a GPU the programs per request are the
+  multiprocessors split over B."""
   args = make_problem(5, 3, 300, 80, seed=30,
                       temperature=np.array([1.0, 0.0, 1.0, 0.7, 0.0]))
-  ref_tokens, ref_logits = jm.reference.sample_draft(*args)
   drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
-      method="fused", block_b=1, block_v=block_v, block_k=block_k,
-      bias_dot="fma", select=select, serpentine=serpentine))
-            for select in ("pass", "persistent")]
-  np.testing.assert_array_equal(drafts[1].tokens, drafts[0].tokens)
-  np.testing.assert_array_equal(drafts[1].logits, drafts[0].logits)
-  np.testing.assert_array_equal(drafts[1].tokens, ref_tokens)
-  np.testing.assert_allclose(drafts[1].logits, ref_logits, rtol=2e-6, atol=2e-5)
-  check_sample_draft(drafts[1], *args)
-  _check_changing_rows(31, jm.KernelConfig(method="fused", block_b=1,
-                                           block_v=block_v, block_k=block_k,
+      method="fused", block_b=1, block_v=block_v, block_k=block_k, bias_dot="fma", select=select,
+      serpentine=serpentine)) for select in ("pass", "persistent")]
+  assert_sample_drafts_agree(drafts[1], drafts[0], *args)
+  assert_sample_drafts_agree(drafts[1], jm.reference.sample_draft(*args), *args)
+  _check_changing_rows(31, jm.KernelConfig(method="fused", block_b=1, block_v=block_v, block_k=block_k,
                                            bias_dot="fma", select="persistent",
                                            serpentine=serpentine))
 

@@ -22,7 +22,7 @@ from jax.sharding import Mesh
 
 import jax_markov as jm
 from jax_markov import sharded
-from helpers import check_sample_draft, make_problem
+from helpers import assert_sample_drafts_agree, check_sample_draft, make_problem
 
 import _sharded_worker as worker
 
@@ -73,9 +73,11 @@ def test_equals_single_device(results, name):
   chex.assert_type(tokens, np.int32)
   chex.assert_shape(logits, (B, S, V))
   chex.assert_type(logits, np.float32)
-  np.testing.assert_array_equal(tokens, want_tokens)
-  # Each logit is the same kernel's dot over the same rank columns.
-  np.testing.assert_array_equal(logits, want_logits)
+  # Each logit is the same kernel's dot over the same rank columns, but in
+  # another program (shard_map, another block count): equal within float32
+  # rounding, the draws wherever they are decided beyond it.
+  assert_sample_drafts_agree((tokens, logits), (want_tokens, want_logits),
+                             *worker.problem(V))
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -158,9 +160,7 @@ def test_gpu_all_devices_small(exchange):
   draft = sharded.sample_draft_sharded(*args, mesh=mesh, exchange=exchange,
                                        config=config)
   single = jm.sample_draft(*args, config=config)
-  np.testing.assert_array_equal(draft.tokens, single.tokens)
-  np.testing.assert_allclose(draft.logits, single.logits, rtol=1e-6, atol=1e-6)
-  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, single, *args)
 
 
 @pytest.mark.gpu

@@ -20,7 +20,8 @@ For draw (b, s), with ``row = idx[b * S + s]``:
   for bit what :func:`jax_markov.draft_uniforms` returns;
 * greedy where not ``temperature[row] > 0`` (0, negative or NaN: values a
   captured graph cannot check draw the argmax rather than an inverted or NaN
-  distribution); else ``1 / T`` rounded to nearest, as XLA divides.
+  distribution); else ``1 / T`` rounded to nearest, as XLA divides, with
+  :func:`jax_markov.reference.draw_params`' rule for subnormal and infinite T.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from jax_markov.reference import MIN_SCALE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,9 +133,12 @@ def _draw_params_kernel(idx_ref, pos_ref, temperature_ref, seeds_ref, ids_ref,
 
   t = plgpu.load(temperature_ref.at[row], mask=s_mask,
                  other=0).astype(jnp.float32)
-  greedy = jnp.logical_not(valid & (t > 0))
-  scale = jnp.where(greedy, 1.0, _reciprocal(jnp.where(greedy, 1.0, t),
-                                             interpret=interpret))
+  # reference.draw_params' rule: greedy unless T > 0 (and 1 / T finite: a
+  # subnormal T is the limit T -> 0+); 1 / T floored at 2^-126 (T = +inf).
+  positive = valid & (t > 0)
+  inv = _reciprocal(jnp.where(positive, t, 1.0), interpret=interpret)
+  greedy = jnp.logical_not(positive) | (inv == jnp.inf)
+  scale = jnp.where(greedy, 1.0, jnp.maximum(inv, MIN_SCALE))
 
   # The seed's (hi, lo) words, as rng.seed_words splits a 64-bit seed.
   if layout.seeds_wide:
