@@ -176,24 +176,28 @@ class DraftPlans:
     return launches
 
   def _build(self, bp: int) -> list[native.Launch]:
-    kernels = {}
     try:
-      for name, (ir, path) in lower_bucket(self.shape, bp,
-                                           self.ir_cache).items():
-        kernels[name] = (ir, native.compile_kernel(ir, path, self.capability)[
-            ir.grid])
+      return self._launches(bp)
+    except native.BuildError:
+      raise
     except Exception as e:  # pylint: disable=broad-except
-      raise native.BuildError(
-          f"bucket {bp}: {type(e).__name__}: {e}") from e
+      # Lowering, compiling or loading a kernel failed: the hook falls back.
+      raise native.BuildError(f"bucket {bp}: {type(e).__name__}: {e}") from e
+
+  def _launches(self, bp: int) -> list[native.Launch]:
+    kernels = {
+        name: (ir, native.compile_kernel(ir, path, self.capability))
+        for name, (ir, path) in lower_bucket(self.shape, bp,
+                                             self.ir_cache).items()}
     ptr = lambda t: t.data_ptr()
     params, rows, anchors, tokens = map(
         ptr, (self.params, self.cache_rows, self.anchors, self.tokens))
     stats = [ptr(self.bmax), ptr(self.bsum), ptr(self.barg)]
-    ir, runner = kernels["draw_params"]
-    launches = [native.Launch(ir, runner, [
+    ir, kernel = kernels["draw_params"]
+    launches = [native.Launch(ir, kernel, [
         "idx", "pos", "temperature", "seeds", "ids", "anchor_idx", "count",
         params, rows, anchors])]
-    block_ir, block_runner = kernels["block_pass"]
+    block_ir, block_kernel = kernels["block_pass"]
     tail = "select_pass" not in kernels
     for step in range(self.shape.steps):
       step_ptr = ptr(self.steps[step])
@@ -204,9 +208,9 @@ class DraftPlans:
                  ptr(self.counters)]
       else:
         args += ["cache", *stats]
-      launches.append(native.Launch(block_ir, block_runner, args))
+      launches.append(native.Launch(block_ir, block_kernel, args))
       if not tail:
-        ir, runner = kernels["select_pass"]
-        launches.append(native.Launch(ir, runner, [
+        ir, kernel = kernels["select_pass"]
+        launches.append(native.Launch(ir, kernel, [
             *stats, "cache", step_ptr, params, rows, tokens, tokens]))
     return launches
