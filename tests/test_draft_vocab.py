@@ -21,6 +21,17 @@ from scipy import stats
 import jax_markov as jm
 from helpers import check_draft
 
+# test_gpu.py re-collects the tests (star import): export only them.
+__all__ = [name for name in (
+    "test_increasing_map", "test_shuffled_map_is_the_sorted_map_permuted",
+    "test_map_on_device_without_value_checks",
+    "test_identity_map_is_the_plain_path_bit_for_bit",
+    "test_nan_and_neg_inf_in_base", "test_greedy_draft_is_sample_draft_at_t0",
+    "test_tail_select_and_greedy_with_map", "test_into_with_map",
+    "test_bad_maps_raise_and_write_nothing",
+    "test_unsupported_modes_refuse_a_map",
+    "test_reduced_vocab_draw_follows_softmax_over_mapped_columns")]
+
 B, S, VD, V, R = 4, 3, 40, 64, 8
 # Fused, 16 columns a block: Vd = 40 is three blocks, the last one partial.
 CONFIG = jm.KernelConfig(method="fused", block_b=16, block_v=16, block_k=16)
