@@ -27,7 +27,8 @@ __all__ = [name for name in (
     "test_map_on_device_without_value_checks",
     "test_identity_map_is_the_plain_path_bit_for_bit",
     "test_nan_and_neg_inf_in_base", "test_greedy_draft_is_sample_draft_at_t0",
-    "test_tail_select_and_greedy_with_map", "test_into_with_map",
+    "test_tail_select_and_greedy_with_map", "test_xla_bias_with_map",
+    "test_into_with_map",
     "test_bad_maps_raise_and_write_nothing",
     "test_unsupported_modes_refuse_a_map",
     "test_reduced_vocab_draw_follows_softmax_over_mapped_columns")]
@@ -203,6 +204,18 @@ def _into_problem(seed):
   idx = np.array([[0, 1, 2], [3, 4, 0], [1, -1, 3], [2, 0, 4]], np.int32)
   cache = jnp.full((N, S, V), 7.0, jnp.float32)
   return cache, base, anchor, head, temperature, seeds, idx, pos, d2t
+
+
+def test_xla_bias_with_map():
+  """method="xla_bias": the XLA GEMM's bias is over the (sorted) draft ids."""
+  config = jm.KernelConfig(method="xla_bias", block_b=1, block_v=16)
+  base, anchor, head, t, seeds, pos, d2t = _problem(11, shuffled=True)
+  draft = jm.sample_draft(base, anchor, head, t, seeds, pos,
+                          draft_to_target=d2t, config=config)
+  _check(draft, base, anchor, head, t, seeds, pos, d2t)
+  np.testing.assert_array_equal(
+      jm.greedy_draft(base, anchor, head, draft_to_target=d2t, config=config),
+      jm.reference.greedy_draft(base, anchor, head, draft_to_target=d2t))
 
 
 def test_into_with_map():
