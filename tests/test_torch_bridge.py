@@ -284,6 +284,19 @@ def _mutations():
               lambda s: (lambda h: torch.zeros(h.shape[0], V + 2)))),
       ("spec.num_speculative_steps", setter("num_speculative_steps",
                                             lambda s: 0)),
+      # Issue 16 probes.
+      ("spec.draft_logits.values",
+       setter("draft_logits.values",
+              lambda s: torch.zeros(M, V, S).transpose(1, 2))),
+      ("spec.draft_tokens",  # one memory location for every request
+       setter("draft_tokens",
+              lambda s: torch.zeros(1, S, dtype=torch.int64).expand(M, S))),
+      ("spec.sample_idx_mapping",
+       setter("sample_idx_mapping", lambda s: [0] * m_s)),
+      ("spec.temperature", setter("temperature", lambda s: torch.ones(M - 1))),
+      ("spec.seeds",
+       setter("seeds", lambda s: torch.zeros(M, dtype=torch.float64))),
+      ("spec.sample_pos", setter("sample_pos", lambda s: torch.ones(m_s))),
   ]
 
 
@@ -295,8 +308,12 @@ def test_bad_input_names_the_attribute(name, mutate):
   sampler = _sampler_for(spec)
   hidden = spec.prepare(4)
   mutate(spec)
+  snap = [t.clone() if isinstance(t, torch.Tensor) else None for t in
+          (spec.draft_logits.values, spec.draft_tokens)]
   with pytest.raises(tb.BridgeInputError, match=name.replace(".", r"\.")):
     sampler(spec, 4, hidden)
+  for t, t0 in zip((spec.draft_logits.values, spec.draft_tokens), snap):
+    assert t0 is None or torch.equal(t, t0)  # nothing written
 
 
 def test_bad_num_reqs_and_constructor_args():
@@ -322,6 +339,283 @@ def test_check_values():
   hidden = spec.prepare(4)
   spec.input_buffers.input_ids[spec._anchor_idx[2]] = V + 5  # past V_in
   with pytest.raises(tb.BridgeInputError, match="input_ids"):
+    sampler(spec, 4, hidden)
+
+
+# ----------------------------------------------------------------------------
+# Issue 16: inputs that got a silent wrong answer or an error after writing.
+# Each test below failed on the bridge before the fix (noted per test).
+# ----------------------------------------------------------------------------
+
+
+def _snapshot(spec):
+  return spec.draft_logits.values.clone(), spec.draft_tokens.clone()
+
+
+def _assert_nothing_written(spec, snap):
+  cache0, tokens0 = snap
+  assert torch.equal(spec.draft_logits.values, cache0)
+  assert torch.equal(spec.draft_tokens, tokens0)
+
+
+def _call_and_check(spec, sampler, n, hidden, x):
+  """One hook call checked against the references on the inputs ``x``."""
+  cache0, tokens0 = _snapshot(spec)
+  assert sampler(spec, n, hidden) is True
+  _check(spec, x, n, spec.draft_tokens.clone(), spec.draft_logits.values.clone(),
+         cache0, tokens0, "cpu")
+
+
+def _raises_nothing_written(spec, sampler, n, hidden, match):
+  snap = _snapshot(spec)
+  with pytest.raises(tb.BridgeInputError, match=match):
+    sampler(spec, n, hidden)
+  _assert_nothing_written(spec, snap)
+
+
+ROWS4 = [5, 0, 3, 6]  # the state rows of requests 0..3
+
+
+@pytest.mark.parametrize("bad", [-1.0, -1e-30, float("nan"), -float("inf")])
+def test_i16_bad_temperature_checked(bad):
+  # Before: no temperature check; the draw used the inverted (T < 0) or a
+  # NaN distribution.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec, check_values=True)
+  hidden = spec.prepare(4, rows=ROWS4)
+  spec.temperature[ROWS4[2]] = bad
+  _raises_nothing_written(spec, sampler, 4, hidden, r"spec\.temperature")
+  # A bad temperature on a state row no request uses is not read.
+  hidden = spec.prepare(4, rows=ROWS4)
+  spec.temperature[7] = bad
+  x = spec.inputs(4, hidden)
+  t = x["temperature"].clone()
+  x["temperature"] = t.masked_fill(~(t > 0), 0.0)  # row 7: for jm's checks
+  _call_and_check(spec, sampler, 4, hidden, x)
+
+
+def test_i16_bad_temperature_unchecked_is_greedy():
+  # Before: T = -1 drew from the inverted distribution, NaN gave token 0.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(6, rows=[5, 0, 3, 6, 1, 2])
+  spec.temperature[5] = -1.0
+  spec.temperature[0] = float("nan")
+  spec.temperature[3] = -float("inf")
+  spec.temperature[6] = -0.25
+  x = spec.inputs(6, hidden)
+  t = x["temperature"]
+  x["temperature"] = torch.where(t > 0, t, torch.zeros_like(t))
+  assert int((x["temperature"] > 0).sum()) == M - 4
+  _call_and_check(spec, sampler, 6, hidden, x)
+
+
+def test_i16_duplicate_state_row_checked():
+  # Before: accepted; the cache row kept one of the two requests' logits.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec, check_values=True)
+  hidden = spec.prepare(4, rows=ROWS4)
+  spec.sample_idx_mapping[2 * S:3 * S] = ROWS4[1]  # requests 1 and 2: row 0
+  _raises_nothing_written(spec, sampler, 4, hidden,
+                          r"spec\.sample_idx_mapping.*two requests")
+  # One step only, the rest distinct (a mapping outside vLLM's layout that the
+  # per-request check alone would not see as a duplicate).
+  hidden = spec.prepare(4, rows=ROWS4)
+  spec.sample_idx_mapping[3 * S:4 * S] = -1
+  spec.sample_idx_mapping[3 * S + 1] = ROWS4[0]
+  sampler_native_rule = _sampler_for(spec, check_values=True)
+  sampler_native_rule._impl.one_row_per_request = False  # only the dup check
+  _raises_nothing_written(spec, sampler_native_rule, 4, hidden,
+                          r"spec\.sample_idx_mapping.*step 1 maps two")
+
+
+def test_i16_duplicate_state_row_unchecked():
+  # Documented (limitations.md): without check_values both requests draw
+  # their own chain with the row's temperature and seed, and the row keeps
+  # the logits of one of them (which one is unspecified).
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(4, rows=[5, 0, 0, 6])
+  x = spec.inputs(4, hidden)
+  cache0, tokens0 = _snapshot(spec)
+  assert sampler(spec, 4, hidden)
+  want_tokens, want_logits = sd.torch_chain(spec, x)
+  np.testing.assert_array_equal(spec.draft_tokens[:4], want_tokens)
+  got = spec.draft_logits.values
+  assert any(torch.allclose(got[0], want_logits[b], rtol=1e-5, atol=1e-4)
+             for b in (1, 2))
+  for row in (1, 2, 3, 4, 7):
+    assert torch.equal(got[row], cache0[row])
+  assert torch.equal(spec.draft_tokens[4:], tokens0[4:])
+
+
+def test_i16_one_sampler_many_threads():
+  # Before: 19-29 of 40-60 results were wrong (a shared padding buffer).
+  import threading  # pylint: disable=g-import-not-at-top
+  n_threads, calls = 4, 6
+  specs = [sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R,
+                               seed=10 + i) for i in range(n_threads)]
+  sampler = _sampler_for(specs[0])
+  sampler.warmup(specs[0])
+  barrier = threading.Barrier(n_threads)
+  records = [[] for _ in range(n_threads)]
+  errors = []
+
+  def work(i):
+    try:
+      spec = specs[i]
+      barrier.wait()
+      for k in range(calls):
+        n = (3, 5, 6, 7, 8, 2)[(i + k) % 6]  # mostly padded buckets
+        hidden = spec.prepare(n, padding=(k % n,) if k % 3 == 0 else ())
+        # On CPU inputs() aliases temperature and seeds: copies, as the next
+        # prepare() rewrites them.
+        x = {k: v.clone() for k, v in spec.inputs(n, hidden).items()}
+        cache0, tokens0 = _snapshot(spec)
+        assert sampler(spec, n, hidden)
+        records[i].append((n, x, spec.draft_tokens.clone(),
+                           spec.draft_logits.values.clone(), cache0, tokens0))
+    except BaseException as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=work, args=(i,)) for i in range(n_threads)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert not errors, errors
+  assert sum(map(len, records)) == n_threads * calls
+  for i, recs in enumerate(records):
+    for n, x, tokens, cache, cache0, tokens0 in recs:
+      _check(specs[i], x, n, tokens, cache, cache0, tokens0, "cpu")
+
+
+@pytest.mark.parametrize("which", ["cache", "draft_tokens"])
+def test_i16_inference_tensor_written_outside_inference_mode(which):
+  # Before: torch raised RuntimeError after draft_tokens (and, for an
+  # inference draft_tokens, nothing else) had been written.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  name = r"spec\.draft_logits\.values" if which == "cache" else \
+      r"spec\.draft_tokens"
+  with torch.inference_mode():
+    if which == "cache":
+      spec.draft_logits.values = spec.draft_logits.values.clone()
+    else:
+      spec.draft_tokens = spec.draft_tokens.clone()
+  hidden = spec.prepare(4)
+  _raises_nothing_written(spec, sampler, 4, hidden, name + ".*inference")
+  # Inside inference mode it works ...
+  with torch.inference_mode():
+    _run_and_check(spec, sampler, 5, padding=(2,))
+  # ... and a buffer checked there is checked again outside.
+  hidden = spec.prepare(4)
+  _raises_nothing_written(spec, sampler, 4, hidden, name + ".*inference")
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2**31 + 1, 2**32 + 3, -2**32 + 5])
+def test_i16_positions_checked(bad):
+  # Before: only positions < 1 were refused; 2**31 + 1 and up were cut to
+  # their low 32 bits.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec, check_values=True)
+  hidden = spec.prepare(4)
+  spec.sample_pos[S + 2] = bad
+  _raises_nothing_written(spec, sampler, 4, hidden, r"spec\.sample_pos")
+
+
+def test_i16_positions_unchecked_are_clamped():
+  # Before: 2**32 + p drew with p's uniform (the low word).
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(M)
+  spec.temperature.fill_(30.0)  # nearly uniform draws: tokens follow u
+  # Valid edge: 2**31 (key 2**31 - 1) is taken as is, also when checked.
+  spec.sample_pos[:S] = 2**31
+  x = spec.inputs(M, hidden)
+  _call_and_check(spec, sampler, M, hidden, x)
+  _call_and_check(spec, _sampler_for(spec, check_values=True), M, hidden, x)
+  # Out of range: 2**32 + p, 2**31 + p, and <= 0 for some requests.
+  pos = spec.sample_pos.view(M, S)
+  wrapped = pos.clone()
+  pos[1:5] += 2**32
+  pos[5] += 2**31
+  pos[6] = 0
+  pos[7] = -2**32 + 7
+  x = spec.inputs(M, hidden)
+  x_clamped = dict(x, positions=x["positions"].clamp(0, 2**31 - 1))
+  _call_and_check(spec, sampler, M, hidden, x_clamped)
+  # ... and not the low word's uniforms.
+  x_wrapped = dict(x, positions=(wrapped - 1).clamp(min=0))
+  low_word, _ = sd.torch_chain(spec, x_wrapped)
+  assert not torch.equal(spec.draft_tokens[1:6], low_word[1:6])
+
+
+@pytest.mark.parametrize("num_reqs", [True, np.bool_(True), 3.0, np.float64(3),
+                                      torch.tensor(True), "3", None])
+def test_i16_num_reqs_must_be_an_int(num_reqs):
+  # Before: True and np.bool_(True) were taken as 1.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(4)
+  _raises_nothing_written(spec, sampler, num_reqs, hidden, "num_reqs")
+
+
+def test_i16_out_of_range_rows_are_padding_unchecked():
+  # Without check_values a state row outside [0, M) is padding: that request
+  # writes nothing. Before: an int64 row 2**32 + r was cut to r and wrote
+  # row r.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R,
+                             idx_dtype=torch.int64)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(7, rows=[0, 1, 2, 3, 4, 5, 6])
+  idx = spec.sample_idx_mapping.view(M, S)
+  idx[1] = M
+  idx[3] = M + 100
+  idx[4] = -2
+  idx[5] = 2**32 + 7   # row 7 is free: writing it would be seen
+  idx[6] = -2**32 + 6
+  x = spec.inputs(7, hidden)
+  x["idx"] = torch.where((x["idx"] >= 0) & (x["idx"] < M), x["idx"], -1)
+  assert int((x["idx"][:, 0] >= 0).sum()) == 2
+  _call_and_check(spec, sampler, 7, hidden, x)
+  # With check_values the same mapping is refused.
+  _raises_nothing_written(spec, _sampler_for(spec, check_values=True), 7,
+                          hidden, r"spec\.sample_idx_mapping")
+
+
+def test_i16_wide_anchor_tokens_are_clamped_unchecked():
+  # Before: an int64 anchor token 2**32 + t was cut to t.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R,
+                             ids_dtype=torch.int64)
+  sampler = _sampler_for(spec)
+  hidden = spec.prepare(4)
+  v_in = spec.model.model.markov_head.markov_w1.weight.shape[0]
+  ids = spec.input_buffers.input_ids
+  aidx = spec._anchor_idx  # pylint: disable=protected-access
+  ids[aidx[0]] = 2**32 + 3
+  ids[aidx[1]] = -2**32 + 3
+  ids[aidx[2]] = v_in + 1
+  x = spec.inputs(4, hidden)
+  x["anchors"] = x["anchors"].clamp(0, v_in - 1)
+  assert x["anchors"][:3].tolist() == [v_in - 1, 0, v_in - 1]
+  _call_and_check(spec, sampler, 4, hidden, x)
+  _raises_nothing_written(spec, _sampler_for(spec, check_values=True), 4,
+                          hidden, r"spec\.input_buffers\.input_ids")
+
+
+@pytest.mark.parametrize("name,mutate", _mutations(),
+                         ids=[f"{i}-{n}" for i, (n, _) in
+                              enumerate(_mutations())])
+def test_i16_bad_layout_with_check_values(name, mutate):
+  # The layout is checked before the values are read. Before: a non-tensor
+  # or short buffer gave an AttributeError or IndexError from the value
+  # checks.
+  spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
+  sampler = _sampler_for(spec, check_values=True)
+  hidden = spec.prepare(4)
+  mutate(spec)
+  with pytest.raises(tb.BridgeInputError, match=name.replace(".", r"\.")):
     sampler(spec, 4, hidden)
 
 

@@ -58,6 +58,29 @@ class Rule(NamedTuple):
                          # inference mode (torch would refuse the write)
 
 
+# What check_values reads, layout-checked before it reads them.
+VALUE_READS = (
+    ("spec.sample_idx_mapping", lambda s: s.sample_idx_mapping),
+    ("spec.sample_pos", lambda s: s.sample_pos),
+    ("spec.temperature", lambda s: s.temperature),
+    ("spec.input_buffers.input_ids", lambda s: s.input_buffers.input_ids),
+    ("spec._anchor_idx", lambda s: s._anchor_idx),  # noqa: SLF001
+    (W1, lambda s: s.model.model.markov_head.markov_w1.weight),
+)
+
+
+def overlaps(t: torch.Tensor) -> bool:
+  """Whether two elements of ``t`` may share memory (stride 0, or strides
+  that interleave); conservative: False only where they cannot."""
+  dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz > 1)
+  extent = 1  # elements spanned by the smaller-stride dimensions so far
+  for st, sz in dims:
+    if st < extent:
+      return True
+    extent = st * (sz - 1) + extent
+  return False
+
+
 def rules(m: int, s_len: int, vocab: int, rank: int, dtype) -> dict[str, Rule]:
   """What each spec buffer must be, for M = m, S = s_len."""
   rows_ok = (lambda s: (len(s) == 2 and s[0] >= m and s[1] == s_len) or
@@ -108,6 +131,10 @@ def check(name: str, t, rule: Rule, device: torch.device, *,
     raise BridgeInputError(
         f"{name}: expected {dtype_names(rule.dtypes)} {rule.shape_desc}"
         f"{layout} on {device}, got {describe(t)}")
+  if rule.written and overlaps(t):
+    raise BridgeInputError(
+        f"{name}: expected a buffer whose elements do not share memory, got "
+        f"{describe(t)} with strides {t.stride()} (an expanded view?)")
   if rule.written and t.is_inference() and not torch.is_inference_mode_enabled():
     raise BridgeInputError(
         f"{name}: an inference tensor can only be written inside "

@@ -218,7 +218,8 @@ class FusedMarkovSampler:
       RuntimeError: the jax runtime called during torch CUDA graph capture
         (on_capture="raise").
     """
-    if isinstance(num_reqs, (bool, np.bool_)):
+    if isinstance(num_reqs, (bool, np.bool_)) or (
+        isinstance(num_reqs, torch.Tensor) and num_reqs.dtype == torch.bool):
       raise BridgeInputError(f"num_reqs: expected an int, got {num_reqs!r}")
     try:
       n = operator.index(num_reqs)
@@ -265,6 +266,9 @@ class FusedMarkovSampler:
       self.check_buffer(checks.CACHE, checks.cache_tensor(spec.draft_logits),
                         s_len)
       if self.check_values and not capturing:
+        # The layout of what the value checks read, first.
+        for name, get in checks.VALUE_READS:
+          self.check_buffer(name, get(spec), s_len)
         checks.check_values(
             spec, n, s_len, self.max_num_reqs,
             one_row_per_request=self._impl.one_row_per_request)
@@ -345,8 +349,13 @@ class FusedMarkovSampler:
 
   def check_buffer(self, name: str, t, s_len: int, *, force: bool = False,
                    aligned: bool = False) -> None:
-    """Checks a spec buffer against its rule, once per buffer identity."""
-    key = checks.tensor_key(t) if isinstance(t, torch.Tensor) else None
+    """Checks a spec buffer against its rule, once per buffer identity.
+
+    The identity includes whether inference mode is on: whether an inference
+    tensor may be written depends on it.
+    """
+    key = (checks.tensor_key(t), torch.is_inference_mode_enabled()) \
+        if isinstance(t, torch.Tensor) else None
     if not force and key is not None and self._checked.get(name) == key:
       return
     rules = self._rules.get(s_len)

@@ -110,8 +110,19 @@ class _Layout(NamedTuple):
 
 
 def _narrow(words: jax.Array, wide: bool) -> jax.Array:
-  # int64 crossed as [lo, hi] int32 pairs; the values used here fit in int32.
-  return words.reshape(-1, 2)[:, 0] if wide else words
+  """int32 values of an int buffer; int64 crossed as [lo, hi] int32 pairs.
+
+  An int64 value outside the int32 range saturates to int32's min or max,
+  never cut to its low word (which would alias a valid row, index or token):
+  a state row then counts as padding, an anchor index or token is clamped.
+  """
+  if not wide:
+    return words
+  pairs = words.reshape(-1, 2)
+  lo, hi = pairs[:, 0], pairs[:, 1]
+  fits = hi == jnp.right_shift(lo, 31)  # hi is lo's sign extension
+  info = jnp.iinfo(jnp.int32)
+  return jnp.where(fits, lo, jnp.where(hi < 0, info.min, info.max))
 
 
 def _position_keys(words: jax.Array, count: int, wide: bool) -> jax.Array:
