@@ -86,3 +86,89 @@ def test_confidence_buffers_are_checked():
   spec.confidence_config = sd.SimpleNamespace(enabled=True, threshold="x")
   with pytest.raises(tb.BridgeInputError, match="threshold"):
     _sampler(spec, "jax")(spec, 4, spec.prepare(4))
+
+
+def _check_sampling(spec, got, want, valid, n, cache0):
+  """Tokens and the target-vocabulary cache rows against the torch loop."""
+  rows = valid.all(dim=1)
+  np.testing.assert_array_equal(got[rows], want["tokens"][rows])
+  idx = spec.inputs(n, None if False else spec._last_hidden)["idx"]
+  cache = spec.draft_logits.values.cpu()
+  steps = torch.arange(S).expand_as(idx)
+  np.testing.assert_allclose(cache[idx[valid], steps[valid]],
+                             want["logits"][valid], rtol=1e-5, atol=1e-4)
+  written = torch.zeros(cache.shape[:2], dtype=torch.bool)
+  written[idx[valid], steps[valid]] = True
+  assert torch.equal(cache[~written], cache0[~written])
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("vd,shuffled", [(40, False), (40, True), (V, True)])
+def test_reduced_vocabulary_matches_vllm(runtime, vd, shuffled):
+  device = "cuda" if runtime == "native" else "cpu"
+  spec = _spec(device, draft_vocab=vd, shuffled=shuffled)
+  sampler = _sampler(spec, runtime)
+  targets = set((torch.arange(vd) + spec.model.draft_id_to_target_id.cpu())
+                .tolist())
+  for n, padding, greedy in ((5, (1,), (2,)), (8, (), ())):
+    cache0 = spec.draft_logits.values.cpu().clone()
+    hidden = spec.prepare(n, padding=padding, greedy=greedy)
+    spec._last_hidden = hidden  # pylint: disable=protected-access
+    assert sampler(spec, n, hidden)
+    if device == "cuda":
+      torch.cuda.synchronize()
+    want = sd.torch_dspark_loop(spec, n, hidden)
+    x = spec.inputs(n, hidden)
+    valid = x["idx"] >= 0
+    got = spec.draft_tokens.cpu()[:n]
+    assert set(got[valid.all(dim=1)].reshape(-1).tolist()) <= targets
+    _check_sampling(spec, got, want, valid, n, cache0)
+    # Unmapped target columns of written rows are -inf.
+    if vd < V:
+      unmapped = sorted(set(range(V)) - targets)
+      idx = x["idx"]
+      cache = spec.draft_logits.values.cpu()
+      steps = torch.arange(S).expand_as(idx)
+      rows = cache[idx[valid], steps[valid]]
+      assert torch.isneginf(rows[:, unmapped]).all()
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+@pytest.mark.parametrize("vd", [None, 40])
+def test_greedy_drafting_matches_vllm(runtime, vd):
+  device = "cuda" if runtime == "native" else "cpu"
+  spec = _spec(device, greedy=True, draft_vocab=vd, shuffled=vd is not None)
+  sampler = _sampler(spec, runtime)
+  for n in (5, 8):
+    got, want, valid = _run(spec, sampler, n, padding=(0,) if n == 5 else ())
+    rows = valid.all(dim=1)
+    np.testing.assert_array_equal(got[rows], want["tokens"][rows])
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_reduced_vocabulary_greedy_with_confidence(runtime):
+  device = "cuda" if runtime == "native" else "cpu"
+  spec = _spec(device, greedy=True, draft_vocab=40, confidence_threshold=0.5)
+  sampler = _sampler(spec, runtime)
+  got, want, valid = _run(spec, sampler, 6)
+  np.testing.assert_array_equal(got, want["tokens"])
+  np.testing.assert_array_equal(spec.confidence_prefix_lengths[:6].cpu(),
+                                want["prefix"])
+
+
+def test_bad_map_is_refused_with_nothing_written():
+  spec = _spec(draft_vocab=40)
+  sampler = _sampler(spec, "jax")
+  hidden = spec.prepare(4)
+  tokens0 = spec.draft_tokens.clone()
+  cache0 = spec.draft_logits.values.clone()
+  d2t = spec.model.draft_id_to_target_id
+  for bad, match in ((-torch.arange(40), "same target id"),
+                     (d2t + V, r"\[0, 96\)"),
+                     (d2t[:10], "vocab_size = 40"),
+                     (d2t.float(), "int32/int64")):
+    spec.model.draft_id_to_target_id = bad
+    with pytest.raises(tb.BridgeInputError, match=match):
+      sampler(spec, 4, hidden)
+    assert torch.equal(spec.draft_tokens, tokens0)
+    assert torch.equal(spec.draft_logits.values, cache0)

@@ -20,7 +20,7 @@ import torch
 
 from jax_markov.kernels.draw_params import ParamsLayout
 from torch_bridge import buckets as tbb
-from torch_bridge import native, native_plan
+from torch_bridge import modes, native, native_plan
 from torch_bridge import testing as sd
 
 import jax_markov as jm
@@ -75,13 +75,39 @@ def test_every_bucket_lowers_to_triton_ir(tmp_path, m, s, v, r,
     want = {"draw_params", "block_pass"} | (
         set() if cfg.select == "tail" else {"select_pass"})
     assert set(kernels) == want
-    for name, (ir, path) in kernels.items():
+    for name, (ir, path, names) in kernels.items():
       _well_formed(ir)
+      assert len(names) == ir.num_inputs + ir.num_outputs, name
       assert os.path.exists(path)
       if _TRITON and bp in compile_buckets:
         compiled = native.compile_kernel(ir, path, (9, 0))
         assert compiled.asm["cubin"], name
   assert cache.misses > 0 and cache.hits == 0
+
+
+@pytest.mark.parametrize("greedy,draft_vocab", [(True, None), (False, 40),
+                                                (True, 40), (False, 96)])
+def test_every_mode_lowers_and_compiles(tmp_path, greedy, draft_vocab):
+  """Greedy drafting (no cache) and a reduced draft vocabulary (columns,
+  fill_columns where target columns are unmapped), at the tail select's
+  bucket (1) and the select pass's (8)."""
+  import dataclasses
+  cache = native.IRCache(str(tmp_path))
+  shape = dataclasses.replace(_shape(8, 3, 96, 8), greedy=greedy,
+                              draft_vocab=draft_vocab)
+  for bp in (1, 8):
+    kernels = native_plan.lower_bucket(shape, bp, cache)
+    assert ("fill_columns" in kernels) == (
+        not greedy and draft_vocab is not None and draft_vocab < 96)
+    for name, (ir, path, names) in kernels.items():
+      _well_formed(ir)
+      assert len(names) == ir.num_inputs + ir.num_outputs, name
+      assert ("columns" in names) == (draft_vocab is not None and
+                                      name in ("block_pass", "select_pass"))
+      if greedy:
+        assert "cache" not in names and "params" not in names[:1]
+      if _TRITON and bp == 8:
+        assert native.compile_kernel(ir, path, (9, 0)).asm["cubin"], name
 
 
 def test_ir_cache_hits_and_keys(tmp_path):
@@ -91,6 +117,8 @@ def test_ir_cache_hits_and_keys(tmp_path):
   misses = cache.misses
   again = native_plan.lower_bucket(shape, 2, native.IRCache(str(tmp_path)))
   assert {k: v[0] for k, v in first.items()} == {k: v[0]
+                                                 for k, v in again.items()}
+  assert {k: v[1] for k, v in first.items()} == {k: v[1]
                                                  for k, v in again.items()}
   assert cache.misses == misses
   # A different layout (int64 state rows) is a different kernel.
@@ -306,7 +334,7 @@ def test_native_runtime_reads_the_spec_layout(tmp_path):
   hook = tb.FusedMarkovSampler(4, 32, 4, torch.float32, runtime="jax")
   cache = native.IRCache(str(tmp_path))
   runtime = native_runtime.NativeRuntime(hook, cache)
-  shape = runtime._shape(spec, 2, torch.bfloat16)  # pylint: disable=protected-access
+  shape = runtime._shape(spec, 2, torch.bfloat16, modes.Mode())  # pylint: disable=protected-access
   assert shape.layout == ParamsLayout(idx_wide=True, pos_wide=True,
                                       seeds_wide=True, ids_wide=False,
                                       anchor_idx_wide=True)

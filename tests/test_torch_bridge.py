@@ -200,22 +200,23 @@ def test_inference_tensors():
     _run_and_check(spec, sampler, 8)
 
 
-def test_num_reqs_zero_and_unhandled_configs():
+def test_num_reqs_zero_and_incomplete_modes():
+  """num_reqs = 0 writes nothing; a mode whose buffers are missing is an
+  error naming them, before anything is written (every DSpark mode is
+  covered: tests/test_hook_modes.py)."""
   spec = sd.SpeculatorDouble(max_num_reqs=M, num_steps=S, vocab=V, rank=R)
   sampler = _sampler_for(spec)
   hidden = spec.prepare(4)
   cache0 = spec.draft_logits.values.clone()
   tokens0 = spec.draft_tokens.clone()
   assert sampler(spec, 0, hidden) is True
-  values = spec.draft_logits
-  spec.draft_logits = None  # greedy drafting: the engine's own path
-  assert sampler(spec, 4, hidden) is False
-  spec.draft_logits = values
-  spec.model.draft_id_to_target_id = torch.zeros(V, dtype=torch.int64)
-  assert sampler(spec, 4, hidden) is False
-  spec.model.draft_id_to_target_id = None
-  spec.confidence_config = type("C", (), {"enabled": True})()
-  assert sampler(spec, 4, hidden) is False
+  spec.confidence_config = type("C", (), {"enabled": True, "threshold": 0.5})()
+  with pytest.raises(tb.BridgeInputError, match="compute_confidence_logits"):
+    sampler(spec, 4, hidden)
+  spec.confidence_config = None
+  spec.model.draft_id_to_target_id = torch.zeros(3, dtype=torch.int64)
+  with pytest.raises(tb.BridgeInputError, match="draft_id_to_target_id"):
+    sampler(spec, 4, hidden)
   assert torch.equal(spec.draft_logits.values, cache0)
   assert torch.equal(spec.draft_tokens, tokens0)
   assert sampler.import_count == 0

@@ -81,8 +81,19 @@ def overlaps(t: torch.Tensor) -> bool:
   return False
 
 
-def rules(m: int, s_len: int, vocab: int, rank: int, dtype) -> dict[str, Rule]:
-  """What each spec buffer must be, for M = m, S = s_len."""
+def rules(m: int, s_len: int, vocab: int, rank: int, dtype, *,
+          mapped: bool = False) -> dict[str, Rule]:
+  """What each spec buffer must be, for M = m, S = s_len.
+
+  vocab is the draft vocabulary (base logits, markov_w2); with ``mapped`` (a
+  reduced draft vocabulary) the cache spans the target vocabulary, V >=
+  vocab, and markov_w1 is indexed by target ids.
+  """
+  cache_ok = ((lambda s: len(s) == 3 and s[:2] == (m, s_len) and s[2] >= vocab)
+              if mapped else (lambda s: s == (m, s_len, vocab)))
+  cache_desc = (f"[max_num_reqs, S, V >= vocab_size] = [{m}, {s_len}, >= "
+                f"{vocab}]" if mapped else
+                f"[max_num_reqs, S, vocab_size] = [{m}, {s_len}, {vocab}]")
   rows_ok = (lambda s: (len(s) == 2 and s[0] >= m and s[1] == s_len) or
              (len(s) == 1 and s[0] >= m * s_len))
   rows_desc = f"[max_num_reqs, S] = [{m}, {s_len}] or [{m * s_len}]"
@@ -100,9 +111,7 @@ def rules(m: int, s_len: int, vocab: int, rank: int, dtype) -> dict[str, Rule]:
       "spec.seeds": Rule(INTS, lambda s: s == (m,), f"[max_num_reqs = {m}]"),
       "spec.sample_idx_mapping": Rule(INTS, rows_ok, rows_desc),
       "spec.sample_pos": Rule(INTS, rows_ok, rows_desc),
-      CACHE: Rule((torch.float32,), lambda s: s == (m, s_len, vocab),
-                  f"[max_num_reqs, S, vocab_size] = [{m}, {s_len}, {vocab}]",
-                  written=True),
+      CACHE: Rule((torch.float32,), cache_ok, cache_desc, written=True),
       "spec.draft_tokens": Rule(
           INTS, lambda s: len(s) == 2 and s[0] >= m and s[1] >= s_len,
           f"[max_num_reqs = {m}, >= S = {s_len}]", contiguous=False,

@@ -23,6 +23,7 @@ import torch
 
 from torch_bridge import buckets as _buckets
 from torch_bridge import checks
+from torch_bridge import modes
 from torch_bridge import native
 from torch_bridge.checks import BridgeInputError
 
@@ -141,6 +142,7 @@ class FusedMarkovSampler:
     self._rules: dict[int, dict] = {}
     self._device: torch.device | None = None
     self._declined: set[str] = set()
+    self._map: tuple | None = None  # (identity of d2t, modes.ColumnMap)
 
   def _make_runtime(self, name: str):
     if name == "native":
@@ -189,11 +191,12 @@ class FusedMarkovSampler:
     with self._lock:
       s_len = self._num_steps(spec)
       self._set_device(spec.model.model.markov_head.markov_w2.weight.device)
+      mode = self._mode(spec, s_len)
       try:
-        return self._impl.warmup(spec, s_len, base_dtype)
+        return self._impl.warmup(spec, s_len, base_dtype, mode)
       except native.BuildError as e:
         self._fall_back(e)
-        return self._impl.warmup(spec, s_len, base_dtype)
+        return self._impl.warmup(spec, s_len, base_dtype, mode)
 
   # -- the hook ---------------------------------------------------------------
 
@@ -257,14 +260,10 @@ class FusedMarkovSampler:
       if n == 0:
         return True
       # Everything the call writes is checked before anything is written.
-      self.check_buffer("spec.draft_tokens", spec.draft_tokens, s_len)
-      conf = getattr(spec, "confidence_config", None)
-      conf = conf if conf is not None and getattr(conf, "enabled", False) \
-          else None
+      mode = self._mode(spec, s_len)
+      conf = modes.confidence(spec)
       if conf is not None:
         self._check_confidence(spec, conf, s_len)
-      self.check_buffer(checks.CACHE, checks.cache_tensor(spec.draft_logits),
-                        s_len)
       if self.check_values and not capturing:
         # The layout of what the value checks read, first.
         for name, get in checks.VALUE_READS:
@@ -274,38 +273,16 @@ class FusedMarkovSampler:
             one_row_per_request=self._impl.one_row_per_request)
       base = self._base_logits(spec, n, s_len, head_hidden)
       try:
-        self._impl.run(spec, n, s_len, base)
+        self._impl.run(spec, n, s_len, base, mode)
       except native.BuildError as e:
         if capturing:  # the capture is broken already: say so, do not hide it
           raise
         self._fall_back(e)
-        self._impl.run(spec, n, s_len, base)
+        self._impl.run(spec, n, s_len, base, mode)
       if conf is not None:
-        self._confidence(spec, n, s_len, head_hidden, float(conf.threshold))
+        modes.apply_confidence(spec, n, s_len, head_hidden,
+                               float(conf.threshold))
     return True
-
-  def _confidence(self, spec, n: int, s_len: int, head_hidden,
-                  threshold: float) -> None:
-    """The confidence head after the draft, as vLLM's loop computes it.
-
-    Step i's score is ``compute_confidence_logits(hidden of draw i,
-    markov_embed(token before step i))``; it depends only on tokens already
-    drawn, so all S scores are one batched call after the draft (the head
-    is row-wise). From the first step whose sigmoid is below the threshold
-    on, the tokens become -1; the prefix lengths count the tokens kept.
-    """
-    model = spec.model
-    tokens = spec.draft_tokens[:n, :s_len]
-    anchors = spec.input_buffers.input_ids[spec._anchor_idx[:n]]  # pylint: disable=protected-access
-    prev = torch.cat([anchors[:, None].to(tokens.dtype), tokens[:, :-1]], 1)
-    embed = model.markov_embed(prev.reshape(-1))
-    hidden = head_hidden[spec.sample_indices[:n * s_len]]
-    scores = model.compute_confidence_logits(hidden, embed).reshape(n, s_len)
-    spec.confidence_logits[:n, :s_len].copy_(scores)
-    below = torch.sigmoid(scores.float()) < threshold
-    keep = torch.cumprod((~below).to(torch.int32), dim=1).bool()
-    tokens.masked_fill_(~keep, -1)
-    spec.confidence_prefix_lengths[:n].copy_(keep.sum(dim=1))
 
   # -- internals --------------------------------------------------------------
 
@@ -325,12 +302,43 @@ class FusedMarkovSampler:
                       spec.confidence_prefix_lengths, s_len)
 
   def _unsupported(self, spec) -> str | None:
-    """Why the hook declines this configuration, or None."""
-    if getattr(spec, "draft_logits", None) is None:
-      return "greedy drafting (spec.draft_logits is None)"
-    if getattr(spec.model, "draft_id_to_target_id", None) is not None:
-      return "a reduced draft vocabulary (spec.model.draft_id_to_target_id)"
+    """Why the hook declines this configuration, or None.
+
+    Every DSpark mode is covered (modes.py); what is left outside is a
+    speculator without the attributes the hook reads, which is an error
+    (BridgeInputError), not a decline.
+    """
+    del spec
     return None
+
+  def _mode(self, spec, s_len: int) -> modes.Mode:
+    """The call's mode, its written buffers checked (cached per identity)."""
+    self.check_buffer("spec.draft_tokens", spec.draft_tokens, s_len)
+    greedy = spec.draft_logits is None
+    d2t = getattr(spec.model, "draft_id_to_target_id", None)
+    if greedy:
+      cache = None
+      target_vocab = (self.vocab_size if d2t is None else
+                      spec.model.model.markov_head.markov_w1.weight.shape[0])
+    else:
+      cache = checks.cache_tensor(spec.draft_logits)
+      self.check_buffer(checks.CACHE, cache, s_len, mapped=d2t is not None)
+      target_vocab = cache.shape[-1]
+    cmap = None
+    if d2t is not None:
+      key = (checks.tensor_key(d2t) if isinstance(d2t, torch.Tensor) else
+             id(d2t), target_vocab)
+      if self._map is None or self._map[0] != key:
+        v_in = spec.model.model.markov_head.markov_w1.weight.shape[0]
+        if target_vocab > v_in:
+          raise BridgeInputError(
+              f"{checks.W1}: the next step's embedding is looked up by target "
+              f"id, so it needs >= {target_vocab} rows (the target "
+              f"vocabulary), got {v_in}")
+        self._map = (key, modes.column_map(d2t, self.vocab_size, target_vocab,
+                                           self._device))
+      cmap = self._map[1]
+    return modes.Mode(greedy=greedy, cmap=cmap)
 
   def _set_device(self, device: torch.device):
     if device != self._device:
@@ -348,20 +356,22 @@ class FusedMarkovSampler:
     return int(s_len)
 
   def check_buffer(self, name: str, t, s_len: int, *, force: bool = False,
-                   aligned: bool = False) -> None:
+                   aligned: bool = False, mapped: bool = False) -> None:
     """Checks a spec buffer against its rule, once per buffer identity.
 
     The identity includes whether inference mode is on: whether an inference
-    tensor may be written depends on it.
+    tensor may be written depends on it. ``mapped``: a reduced draft
+    vocabulary, whose cache is as wide as the target vocabulary.
     """
-    key = (checks.tensor_key(t), torch.is_inference_mode_enabled()) \
+    key = (checks.tensor_key(t), torch.is_inference_mode_enabled(), mapped) \
         if isinstance(t, torch.Tensor) else None
     if not force and key is not None and self._checked.get(name) == key:
       return
-    rules = self._rules.get(s_len)
+    rules = self._rules.get((s_len, mapped))
     if rules is None:
-      rules = self._rules[s_len] = checks.rules(
-          self.max_num_reqs, s_len, self.vocab_size, self.rank, self.dtype)
+      rules = self._rules[(s_len, mapped)] = checks.rules(
+          self.max_num_reqs, s_len, self.vocab_size, self.rank, self.dtype,
+          mapped=mapped)
     checks.check(name, t, rules[name], self._device, aligned=aligned)
     self._checked[name] = key
 

@@ -143,8 +143,35 @@ def _position_keys(words: jax.Array, count: int, wide: bool) -> jax.Array:
                    jnp.where(too_low, 0, jnp.iinfo(jnp.int32).max))
 
 
+def _anchors(input_ids, anchor_idx, bp, vocab_in, live, layout):
+  """input_ids[anchor_idx[b]] per request, clamped into the embedding."""
+  ids = _narrow(input_ids, layout.ids_wide)
+  aidx = _narrow(anchor_idx, layout.anchor_wide)[:bp]
+  aidx = jnp.where(aidx < 0, aidx + ids.shape[0], aidx)
+  anchor = jnp.take(ids, aidx, mode="clip")
+  return jnp.where(live, jnp.clip(anchor, 0, vocab_in - 1), 0)
+
+
+def _greedy_impl(base, w1, w2, input_ids, anchor_idx, n, targets=None, *,
+                 layout: _Layout, target_vocab: int | None = None):
+  """Greedy drafting (no cache): int32 [Bp * S] tokens (target ids)."""
+  global _TRACES
+  _TRACES += 1
+  bp = base.shape[0]
+  live = jnp.arange(bp) < n
+  anchor = _anchors(input_ids, anchor_idx, bp, w1.shape[0], live, layout)
+  tokens = jm.greedy_draft(base, anchor, _head.MarkovHead(w1, w2),
+                           draft_to_target=targets, target_vocab=target_vocab,
+                           interpret=layout.interpret, check_values=False)
+  return tokens.reshape(-1).astype(jnp.int32)
+
+
+_greedy = jax.jit(_greedy_impl, static_argnames=("layout", "target_vocab"))
+
+
 def _step_impl(base, w1, w2, input_ids, anchor_idx, temperature, seeds,
-               idx_map, sample_pos, cache_row0, n, *, layout: _Layout):
+               idx_map, sample_pos, cache_row0, n, targets=None, *,
+               layout: _Layout, target_vocab: int | None = None):
   """Runs the chain for one bucket and lays out the results for torch.
 
   Args:
@@ -156,7 +183,10 @@ def _step_impl(base, w1, w2, input_ids, anchor_idx, temperature, seeds,
     idx_map, sample_pos: flat int32 words, request-major, >= Bp * S entries.
     cache_row0: float32 [V], the current ``cache[0, 0]`` (see below).
     n: int32 scalar, the number of live requests.
+    targets: int32 [Vd], the target id of each draft column (a reduced draft
+      vocabulary; base and w2 have Vd columns / rows), or None.
     layout: static flags.
+    target_vocab: V with targets (the cache's width).
 
   Returns:
     ints: int32 [3 * Bp * S]: first Bp * S int64 (as [lo, hi] pairs) flat
@@ -198,15 +228,14 @@ def _step_impl(base, w1, w2, input_ids, anchor_idx, temperature, seeds,
                                        jnp.uint32)[row]
   positions = jnp.where(valid, keys, 0)
 
-  ids = _narrow(input_ids, layout.ids_wide)
-  aidx = _narrow(anchor_idx, layout.anchor_wide)[:bp]
-  aidx = jnp.where(aidx < 0, aidx + ids.shape[0], aidx)
-  anchor = jnp.take(ids, aidx, mode="clip")
-  anchor = jnp.where(live, jnp.clip(anchor, 0, w1.shape[0] - 1), 0)
-
+  anchor = _anchors(input_ids, anchor_idx, bp, w1.shape[0], live, layout)
   tokens, logits = jm.sample_draft(base, anchor, _head.MarkovHead(w1, w2),
                                    temp, words, positions,
-                                   interpret=layout.interpret)
+                                   interpret=layout.interpret,
+                                   draft_to_target=targets,
+                                   target_vocab=target_vocab,
+                                   check_values=False)
+  vocab = logits.shape[-1]
 
   rows = bp * s_len
   logits = logits.reshape(rows, vocab).astype(jnp.float32)
@@ -226,7 +255,7 @@ def _step_impl(base, w1, w2, input_ids, anchor_idx, temperature, seeds,
   return ints, logits
 
 
-_step = jax.jit(_step_impl, static_argnames=("layout",))
+_step = jax.jit(_step_impl, static_argnames=("layout", "target_vocab"))
 
 _MAX_PENDING = 8
 
@@ -281,20 +310,31 @@ class JaxRuntime:
     self._pad = None
     self._device = device
 
-  def warmup(self, spec, s_len: int, base_dtype) -> int:
-    args, layout = self._cached_args(spec, s_len)
+  def _call(self, base_j, args, n_arr, layout, mode):
+    """The jitted draft for this mode: (ints, logits) or (tokens, None)."""
+    cmap = mode.cmap
+    extra = () if cmap is None else (args[-1],)
+    kw = {} if cmap is None else {"target_vocab": cmap.target_vocab}
+    if mode.greedy:
+      return _greedy(base_j, *args[:4], n_arr, *extra, layout=layout,
+                     **kw), None
+    nargs = len(_SLOTS)
+    return _step(base_j, *args[:nargs], n_arr, *extra, layout=layout, **kw)
+
+  def warmup(self, spec, s_len: int, base_dtype, mode) -> int:
+    args, layout = self._cached_args(spec, s_len, mode)
     w2 = spec.model.model.markov_head.markov_w2.weight
     jdev = _dl.jax_device(w2)
     jdtype = jnp.dtype(str(base_dtype).removeprefix("torch."))
     for bp in self.hook.buckets:
       base = jax.device_put(
           jnp.zeros((bp, s_len, self.hook.vocab_size), jdtype), jdev)
-      out = _step(base, *args, self._n_array(jdev, 0), layout=layout)
-      jax.block_until_ready(out)
+      out = self._call(base, args, self._n_array(jdev, 0), layout, mode)
+      jax.block_until_ready(out[0])
     return len(self.hook.buckets)
 
-  def run(self, spec, n: int, s_len: int, base: torch.Tensor) -> None:
-    """Drafts for n requests from base [n, S, V]; writes tokens and cache."""
+  def run(self, spec, n: int, s_len: int, base: torch.Tensor, mode) -> None:
+    """Drafts for n requests from base [n, S, Vd]; writes tokens and cache."""
     if self._device.type == "cuda":
       if not self._prealloc_checked:
         self._prealloc_checked = True
@@ -303,20 +343,26 @@ class JaxRuntime:
     bp = _buckets.bucket_for(self.hook.buckets, n)
     base_src = base if bp == n and base.is_contiguous() else \
         self._padded(base, n, bp, s_len)
-    args, layout = self._cached_args(spec, s_len)
+    args, layout = self._cached_args(spec, s_len, mode)
     # The fresh import of the base logits is what orders this JAX call
     # after torch's current stream (cached imports carry no ordering).
     base_j = _dl.import_tensor(base_src)
     self.imports.imports += 1
-    ints, logits = _step(base_j, *args, self._n_array(base_j.device, n),
-                         layout=layout)
+    ints, logits = self._call(base_j, args, self._n_array(base_j.device, n),
+                              layout, mode)
     ints_t = _dl.export_array(ints)
-    logits_t = _dl.export_array(logits)
-    rows = n * s_len
-    dst = ints_t[:2 * bp * s_len].view(torch.int64)[:rows]
-    tokens = ints_t[2 * bp * s_len:].view(bp, s_len)[:n]
-    spec.draft_tokens[:n, :s_len].copy_(tokens)
-    self._flat_cache(spec.draft_logits).index_copy_(0, dst, logits_t[:rows])
+    logits_t = None
+    if mode.greedy:
+      spec.draft_tokens[:n, :s_len].copy_(
+          ints_t[:n * s_len].view(n, s_len))
+    else:
+      logits_t = _dl.export_array(logits)
+      rows = n * s_len
+      dst = ints_t[:2 * bp * s_len].view(torch.int64)[:rows]
+      tokens = ints_t[2 * bp * s_len:].view(bp, s_len)[:n]
+      spec.draft_tokens[:n, :s_len].copy_(tokens)
+      self._flat_cache(spec.draft_logits).index_copy_(0, dst,
+                                                      logits_t[:rows])
     if self._device.type == "cuda":
       # JAX frees its outputs and torch frees the base logits as soon as
       # they are dropped, neither knowing the other's queued work: hold
@@ -362,16 +408,22 @@ class JaxRuntime:
       self._n_arrays[key] = arr
     return arr
 
-  def _cached_args(self, spec, s_len: int):
-    """The cached imports of every fixed spec buffer, and the layout flags."""
+  def _cached_args(self, spec, s_len: int, mode):
+    """The cached imports of every fixed spec buffer, and the layout flags.
+
+    Greedy drafting has no cache (its slot is skipped); a reduced vocabulary
+    adds the target id of each draft column, last.
+    """
     imports = self.imports
     imports_before = imports.imports
     arrays = []
-    for name, get, kind in _SLOTS:
+    slots = _SLOTS[:-1] if mode.greedy else _SLOTS
+    for name, get, kind in slots:
       t = get(spec)
       arr = imports.lookup(name, t) if isinstance(t, torch.Tensor) else None
       if arr is None:  # new or changed buffer: validate, then import
-        self.hook.check_buffer(name, t, s_len, force=True)
+        self.hook.check_buffer(name, t, s_len, force=True,
+                               mapped=mode.cmap is not None)
         if kind == "words":
           derived = _dl.int32_words(t)
         elif kind == "row0":  # only cache[0, 0] is read, see _step_impl
@@ -380,10 +432,15 @@ class JaxRuntime:
           derived = t.detach()
         arr = imports.store(name, t, derived)
       arrays.append(arr)
+    if mode.cmap is not None:
+      targets = mode.cmap.targets
+      arr = imports.lookup("map", targets)
+      arrays.append(arr if arr is not None else
+                    imports.store("map", targets, targets))
     layout = self._layout
     if layout is None or imports.imports != imports_before:
       # Dtypes can only have changed with a re-import.
-      wide = [get(spec).dtype == torch.int64 for _, get, _ in _SLOTS[2:]]
+      wide = [get(spec).dtype == torch.int64 for _, get, _ in _SLOTS[2:8]]
       layout = self._layout = _Layout(
           ids_wide=wide[0], anchor_wide=wide[1], seeds_wide=wide[3],
           idx_wide=wide[4], pos_wide=wide[5],

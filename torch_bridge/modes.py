@@ -27,7 +27,7 @@ from torch_bridge.checks import BridgeInputError
 D2T = "spec.model.draft_id_to_target_id"
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # compared by identity
 class ColumnMap:
   """A reduced draft vocabulary, as the kernels take it.
 
@@ -89,6 +89,13 @@ def column_map(d2t, draft_vocab: int, target_vocab: int,
   return ColumnMap(targets=targets.to(torch.int32),
                    columns=columns.to(torch.int32).contiguous(), order=order,
                    unmapped=unmapped, target_vocab=target_vocab)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+  """What a call drafts: greedy (no cache) or sampling; with a column map."""
+  greedy: bool = False
+  cmap: ColumnMap | None = None
 
 
 def confidence(spec) -> object | None:

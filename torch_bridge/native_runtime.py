@@ -16,6 +16,7 @@ import torch
 
 from torch_bridge import buckets as _buckets
 from torch_bridge import checks
+from torch_bridge import modes
 from torch_bridge import native
 from torch_bridge import native_plan
 from jax_markov.kernels.draw_params import ParamsLayout
@@ -30,8 +31,9 @@ _BUFFERS = (
     ("seeds", "spec.seeds", lambda s: s.seeds),
     ("ids", "spec.input_buffers.input_ids", lambda s: s.input_buffers.input_ids),
     ("anchor_idx", "spec._anchor_idx", lambda s: s._anchor_idx),  # noqa: SLF001
-    ("cache", checks.CACHE, lambda s: checks.cache_tensor(s.draft_logits)),
 )
+_CACHE = ("cache", checks.CACHE,
+          lambda s: checks.cache_tensor(s.draft_logits))
 _WORDS = ("idx", "pos", "seeds", "ids", "anchor_idx")
 
 
@@ -70,19 +72,25 @@ class NativeRuntime:
     self._bound = None
     self._device = device
 
-  def _shape(self, spec, s_len: int, base_dtype) -> native_plan.DraftShape:
+  def _shape(self, spec, s_len: int, base_dtype,
+             mode: modes.Mode) -> native_plan.DraftShape:
     t = {name: get(spec) for name, _, get in _BUFFERS}
     layout = ParamsLayout(**{f"{k}_wide": t[k].dtype == torch.int64
                              for k in _WORDS})
+    cmap = mode.cmap
+    vocab = self.hook.vocab_size if cmap is None else cmap.target_vocab
     return native_plan.DraftShape(
-        max_num_reqs=self.hook.max_num_reqs, steps=s_len,
-        vocab=self.hook.vocab_size, rank=self.hook.rank,
-        vocab_in=t["embed"].shape[0], base_dtype=base_dtype,
-        head_dtype=self.hook.dtype, temperature_dtype=t["temperature"].dtype,
-        words=tuple((k, _words(t[k])) for k in _WORDS), layout=layout)
+        max_num_reqs=self.hook.max_num_reqs, steps=s_len, vocab=vocab,
+        rank=self.hook.rank, vocab_in=t["embed"].shape[0],
+        base_dtype=base_dtype, head_dtype=self.hook.dtype,
+        temperature_dtype=t["temperature"].dtype,
+        words=tuple((k, _words(t[k])) for k in _WORDS), layout=layout,
+        draft_vocab=None if cmap is None else self.hook.vocab_size,
+        greedy=mode.greedy)
 
-  def plans(self, spec, s_len: int, base_dtype) -> native_plan.DraftPlans:
-    shape = self._shape(spec, s_len, base_dtype)
+  def plans(self, spec, s_len: int, base_dtype,
+            mode: modes.Mode) -> native_plan.DraftPlans:
+    shape = self._shape(spec, s_len, base_dtype, mode)
     plans = self._plans.get(shape)
     if plans is None:
       plans = native_plan.DraftPlans(shape, self.hook.buckets, self._device,
@@ -90,36 +98,56 @@ class NativeRuntime:
       self._plans[shape] = plans
     return plans
 
-  def warmup(self, spec, s_len: int, base_dtype) -> int:
-    self._bindings(spec, s_len)
-    plans = self.plans(spec, s_len, base_dtype)
+  def warmup(self, spec, s_len: int, base_dtype, mode: modes.Mode) -> int:
+    self._bindings(spec, s_len, mode)
+    plans = self.plans(spec, s_len, base_dtype, mode)
     for bp in self.hook.buckets:
       plans.plan(bp)
     return len(self.hook.buckets)
 
-  def _bindings(self, spec, s_len: int) -> dict:
+  def _bindings(self, spec, s_len: int, mode: modes.Mode) -> dict:
     """Pointers of the spec's buffers, checked once per buffer identity."""
-    tensors = [get(spec) for _, _, get in _BUFFERS]
-    key = tuple(checks.tensor_key(t) if isinstance(t, torch.Tensor) else id(t)
-                for t in tensors)
+    buffers = _BUFFERS if mode.greedy else (*_BUFFERS, _CACHE)
+    tensors = [get(spec) for _, _, get in buffers]
+    key = (tuple(checks.tensor_key(t) if isinstance(t, torch.Tensor) else id(t)
+                 for t in tensors), mode)
     if self._bound is not None and self._bound[0] == key:
       return self._bound[1]
-    for (_, attr, _), t in zip(_BUFFERS, tensors):
-      self.hook.check_buffer(attr, t, s_len, force=True, aligned=True)
-    bindings = {name: t.data_ptr() for (name, _, _), t in zip(_BUFFERS,
+    mapped = mode.cmap is not None
+    for (_, attr, _), t in zip(buffers, tensors):
+      self.hook.check_buffer(attr, t, s_len, force=True, aligned=True,
+                             mapped=mapped and attr == checks.CACHE)
+    bindings = {name: t.data_ptr() for (name, _, _), t in zip(buffers,
                                                               tensors)}
+    if mapped:
+      cmap = mode.cmap
+      bindings["columns"] = cmap.columns.data_ptr()
+      if cmap.unmapped is not None:
+        bindings["unmapped"] = cmap.unmapped.data_ptr()
+      if cmap.order is not None:
+        # Draft columns sorted by target id: proj permuted once here (the
+        # weights are fixed while bound), base permuted every call.
+        proj = tensors[1].index_select(0, cmap.order).contiguous()
+        bindings["proj"] = proj.data_ptr()
+        bindings["_proj_sorted"] = proj  # keeps it alive while bound
     self._bound = (key, bindings)
     return bindings
 
-  def run(self, spec, n: int, s_len: int, base: torch.Tensor) -> None:
-    """Drafts for n requests from base [n, S, V]; writes tokens and cache."""
-    bindings = self._bindings(spec, s_len)
+  def run(self, spec, n: int, s_len: int, base: torch.Tensor,
+          mode: modes.Mode) -> None:
+    """Drafts for n requests from base [n, S, Vd]; writes tokens and cache."""
+    bindings = self._bindings(spec, s_len, mode)
     key = (self._bound[0], s_len, base.dtype)
     plans = self._plans_by_key.get(key)
     if plans is None:
-      plans = self._plans_by_key[key] = self.plans(spec, s_len, base.dtype)
+      plans = self._plans_by_key[key] = self.plans(spec, s_len, base.dtype,
+                                                   mode)
     bp = _buckets.bucket_for(self.hook.buckets, n)
-    if bp != n or not base.is_contiguous() or base.data_ptr() % checks.ALIGN:
+    order = None if mode.cmap is None else mode.cmap.order
+    if order is not None:
+      torch.index_select(base, 2, order, out=plans.pad[:n])
+      base = plans.pad
+    elif bp != n or not base.is_contiguous() or base.data_ptr() % checks.ALIGN:
       # Rows past n hold stale logits of earlier calls: padding, which the
       # kernels read but never write from.
       plans.pad[:n].copy_(base)
