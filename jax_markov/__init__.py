@@ -9,6 +9,7 @@ Public API::
     tokens, cache = jm.sample_draft_into(cache, base_logits, anchor_tokens,
                                          head, temperature, seeds, idx_map,
                                          positions)
+    tokens = jm.greedy_draft(base_logits, anchor_tokens, head)  # no cache
     u = jm.draft_uniforms(seeds, positions)
     jm.reference  # the same sampler in plain jnp: the executable spec
     jm.sample_draft_sharded(..., mesh=mesh, axis="vocab")  # V over devices
@@ -18,11 +19,12 @@ from jax_markov import reference, rng
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels.config import KernelConfig
 from jax_markov.rng import draft_uniforms
-from jax_markov.sampler import sample_draft, sample_draft_into
+from jax_markov.sampler import greedy_draft, sample_draft, sample_draft_into
 from jax_markov.sharded import sample_draft_sharded
 
 __all__ = [
-    "Draft", "KernelConfig", "MarkovHead", "draft_uniforms", "reference", "rng",
+    "Draft", "KernelConfig", "MarkovHead", "draft_uniforms", "greedy_draft",
+    "reference", "rng",
     "sample_draft", "sample_draft_into", "sample_draft_sharded",
 ]
 __version__ = "0.1.0"

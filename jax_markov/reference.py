@@ -17,10 +17,22 @@ The draw rule (one row x of float32 logits, temperature T, uniform u):
   float32 rounding leave u * Z at or past the last partial sum, the token is
   the last index with p_j > 0, so a -inf logit is never drawn.
 
+A reduced draft vocabulary (``draft_to_target``, int [Vd], distinct target
+ids): base [B, S, Vd] and proj [Vd, R] are over the draft ids, embed over the
+target ids. The row drawn from is the target row of width V: -inf at every
+target id no draft id maps to, ``base[j] + bias[j]`` at target id
+``draft_to_target[j]``. The token is that row's draw by the rule above (a
+target id; so the inverse CDF runs in target-id order and ties go to the
+lowest target id), except that a row with nothing drawable draws the lowest
+mapped target id rather than 0, so every token is one the draft vocabulary
+has. The next step's bias uses embed[that target id].
+
 Every function here is jittable; none of them uses Pallas.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -91,12 +103,31 @@ def draw(logits: jax.Array, temperature: jax.Array, u: jax.Array) -> jax.Array:
   return jnp.where(greedy | ~jnp.isfinite(m), first_max, idx)
 
 
-def _chain(base_logits, anchor_tokens, head, temperature, u):
-  """Runs the S steps; temperature and u are [B, S]. Returns tokens, logits."""
+def to_target(logits, draft_to_target, target_vocab: int):
+  """Draft-vocabulary logits [..., Vd] -> target row [..., V], -inf unmapped."""
+  full = jnp.full(logits.shape[:-1] + (target_vocab,), -jnp.inf, jnp.float32)
+  return full.at[..., draft_to_target].set(logits.astype(jnp.float32))
+
+
+def _chain(base_logits, anchor_tokens, head, temperature, u,
+           draft_to_target=None, target_vocab=None):
+  """Runs the S steps; temperature and u are [B, S]. Returns tokens, logits.
+
+  With draft_to_target the logits are over the target vocabulary (width
+  target_vocab) and the tokens are target ids.
+  """
   def step(prev, xs):
     base_s, t_s, u_s = xs
     logits = base_s.astype(jnp.float32) + bias(head, prev)
+    if draft_to_target is None:
+      tok = draw(logits, t_s, u_s)
+      return tok, (tok, logits)
+    logits = to_target(logits, draft_to_target, target_vocab)
     tok = draw(logits, t_s, u_s)
+    # Nothing drawable (every mapped logit -inf or NaN): the lowest mapped id.
+    x = jnp.where(jnp.isnan(logits), -jnp.inf, logits)
+    none = jnp.max(x, axis=-1) == -jnp.inf
+    tok = jnp.where(none, jnp.min(draft_to_target).astype(jnp.int32), tok)
     return tok, (tok, logits)
 
   xs = (jnp.swapaxes(base_logits, 0, 1), temperature.T, u.T)
@@ -104,26 +135,54 @@ def _chain(base_logits, anchor_tokens, head, temperature, u):
   return tokens.T, jnp.swapaxes(logits, 0, 1)
 
 
-@jax.jit
-def _sample_draft(base_logits, anchor_tokens, head, temperature, words, positions):
+@functools.partial(jax.jit, static_argnames=("target_vocab",))
+def _sample_draft(base_logits, anchor_tokens, head, temperature, words, positions,
+                  draft_to_target=None, target_vocab=None):
   u = rng.uniforms_from_words(words, positions)
   t = jnp.broadcast_to(temperature[:, None], u.shape)
-  return _chain(base_logits, anchor_tokens, head, t, u)
+  return _chain(base_logits, anchor_tokens, head, t, u, draft_to_target,
+                target_vocab)
 
 
-def sample_draft(base_logits, anchor_tokens, head, temperature, seeds, positions):
+def _target_vocab(head, draft_to_target, target_vocab):
+  if draft_to_target is None or target_vocab is not None:
+    return target_vocab
+  return head.embed.shape[0]
+
+
+def sample_draft(base_logits, anchor_tokens, head, temperature, seeds, positions,
+                 *, draft_to_target=None, target_vocab=None):
   """Reference for :func:`jax_markov.sample_draft`. Returns (tokens, logits).
 
-  tokens int32 [B, S]; logits float32 [B, S, V], pre-temperature.
+  tokens int32 [B, S]; logits float32 [B, S, V], pre-temperature (with
+  draft_to_target, V = target_vocab, default head.embed's rows).
   """
+  d2t = None if draft_to_target is None else jnp.asarray(draft_to_target)
   return _sample_draft(jnp.asarray(base_logits), jnp.asarray(anchor_tokens),
                        head, jnp.asarray(temperature), rng.seed_words(seeds),
-                       jnp.asarray(positions))
+                       jnp.asarray(positions), d2t,
+                       target_vocab=_target_vocab(head, d2t, target_vocab))
+
+
+def greedy_draft(base_logits, anchor_tokens, head, *, draft_to_target=None,
+                 target_vocab=None):
+  """Reference for :func:`jax_markov.greedy_draft`: int32 [B, S] tokens.
+
+  The T = 0 draft: every draw the argmax (by the rule, with the map's
+  semantics above); the uniforms are not used.
+  """
+  base = jnp.asarray(base_logits)
+  B, S, _ = base.shape
+  d2t = None if draft_to_target is None else jnp.asarray(draft_to_target)
+  zeros = jnp.zeros((B, S), jnp.float32)
+  tokens, _ = _chain(base, jnp.asarray(anchor_tokens), head, zeros, zeros, d2t,
+                     _target_vocab(head, d2t, target_vocab))
+  return tokens
 
 
 @jax.jit
 def _sample_draft_into(cache, base_logits, anchor_tokens, head, temperature,
-                       words, idx_map, positions):
+                       words, idx_map, positions, draft_to_target=None):
   S = base_logits.shape[1]
   valid = (idx_map >= 0) & (idx_map < cache.shape[0])  # else padding, as the kernels
   rows = jnp.where(valid, idx_map, 0)
@@ -131,7 +190,8 @@ def _sample_draft_into(cache, base_logits, anchor_tokens, head, temperature,
   t = jnp.where(valid, temperature[rows], 0.0)
   u = rng.uniforms_from_words(words[rows].reshape(-1, 2),
                               positions.reshape(-1, 1)).reshape(rows.shape)
-  tokens, logits = _chain(base_logits, anchor_tokens, head, t, u)
+  tokens, logits = _chain(base_logits, anchor_tokens, head, t, u,
+                          draft_to_target, cache.shape[2])
   steps = jnp.broadcast_to(jnp.arange(S), idx_map.shape)
   # Padding rows scatter out of bounds, and mode="drop" discards them.
   oob = jnp.where(valid, idx_map, cache.shape[0])
@@ -140,9 +200,13 @@ def _sample_draft_into(cache, base_logits, anchor_tokens, head, temperature,
 
 
 def sample_draft_into(cache, base_logits, anchor_tokens, head, temperature,
-                      seeds, idx_map, positions):
-  """Reference for :func:`jax_markov.sample_draft_into`. Returns (tokens, cache)."""
+                      seeds, idx_map, positions, *, draft_to_target=None):
+  """Reference for :func:`jax_markov.sample_draft_into`. Returns (tokens, cache).
+
+  With draft_to_target the target vocabulary is the cache's width.
+  """
+  d2t = None if draft_to_target is None else jnp.asarray(draft_to_target)
   return _sample_draft_into(jnp.asarray(cache), jnp.asarray(base_logits),
                             jnp.asarray(anchor_tokens), head,
                             jnp.asarray(temperature), rng.seed_words(seeds),
-                            jnp.asarray(idx_map), jnp.asarray(positions))
+                            jnp.asarray(idx_map), jnp.asarray(positions), d2t)

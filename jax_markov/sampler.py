@@ -16,12 +16,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_markov import reference, rng, validate
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
 from jax_markov.kernels.draft_pass import draft_pass
+from jax_markov.kernels.fill_columns import fill_columns
 from jax_markov.kernels.select_pass import select_pass
 
 
@@ -41,7 +43,8 @@ def _interpret_default(interpret: bool | None) -> bool:
 
 def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
                *, num_cache_rows: int, config: tuning.KernelConfig,
-               interpret: bool):
+               interpret: bool, columns=None, unmapped=None,
+               cache_vocab: int | None = None, no_cache: bool = False):
   """Runs the S steps.
 
   Args:
@@ -52,9 +55,17 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
       greedy), 1.0 where greedy (else 0), and the uniform.
     cache_rows: int32 [B * S], the flat cache row of each draw (-1 none), or
       None for the dense layout (draw (b, s) writes row b * S + s).
+    columns: int32 [V] strictly increasing (see :func:`_column_map`), the
+      cache column of each draft column, or None (the identity).
+    unmapped: int32 [cache_vocab - V], the cache columns no draft column
+      maps to (filled with -inf before step 0), or None where there are none.
+    cache_vocab: the cache's width (V without columns).
+    no_cache: greedy drafting: cache, params and cache_rows are None, every
+      draw is the argmax, and no cache exists (None is returned for it).
 
   Returns:
-    (tokens int32 [B, S], cache float32 [num_cache_rows, V]).
+    (tokens int32 [B, S], cache float32 [num_cache_rows, cache_vocab] or
+    None with no_cache).
   """
   B, S, V = base.shape
   base_flat = base.reshape(B * S, V)
@@ -63,6 +74,9 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
                     else jax.lax.Precision.DEFAULT)
 
   if config.select == "persistent":  # the whole draft in one launch
+    if columns is not None or no_cache:
+      raise ValueError("select='persistent' supports neither draft_to_target "
+                       "nor greedy_draft; use select='pass' or 'tail'")
     cache, tokens = draft_pass(
         base_flat, head.embed, head.proj, anchor_tokens, params, cache_rows,
         cache, config=config, num_steps=S, num_cache_rows=num_cache_rows,
@@ -70,6 +84,14 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     return tokens.reshape(B, S), cache
 
   tail = config.select == "tail"
+  if cache_vocab is None:
+    cache_vocab = V
+  if unmapped is not None:
+    # -inf at the unmapped target columns of every row the draft writes,
+    # once before step 0 (dense: this creates the cache).
+    cache = fill_columns(unmapped, cache_rows, cache,
+                         num_cache_rows=num_cache_rows, vocab=cache_vocab,
+                         num_rows=B * S, interpret=interpret)
 
   def step(cache, tokens, counters, s):
     """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
@@ -87,14 +109,23 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     out = block_pass(
         base_flat, bias_or_head, s, params, cache_rows, cache, block_tokens,
         counters, config=config, num_steps=S, num_cache_rows=num_cache_rows,
+        columns=columns, cache_vocab=cache_vocab, no_cache=no_cache,
         interpret=interpret)
-    if tail:  # the block pass drew the tokens itself
+    if no_cache:  # greedy drafting: block maxima and argmaxes, no cache
+      if tail:
+        _, _, tokens, counters = out
+        return cache, tokens, counters
+      bmax, barg = out
+      bsum = None
+    elif tail:  # the block pass drew the tokens itself
       cache, _, _, _, tokens, counters = out
       return cache, tokens, counters
-    cache, bmax, bsum, barg = out
+    else:
+      cache, bmax, bsum, barg = out
     tokens = select_pass(
         bmax, bsum, barg, cache, s, params, cache_rows, tokens, config=config,
-        num_steps=S, interpret=interpret)
+        num_steps=S, columns=columns, vocab=V, no_cache=no_cache,
+        interpret=interpret)
     return cache, tokens, counters
 
   # Step 0 creates the token array (and the cache when none is given), so the
@@ -119,6 +150,47 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     (cache, tokens, counters), _ = jax.lax.scan(
         body, (cache, tokens, counters), jnp.arange(1, S, dtype=jnp.int32))
   return tokens.reshape(B, S), cache
+
+
+def _column_map(draft_to_target, base, head, *, permute: bool,
+                cache_vocab: int):
+  """The kernels' view of a reduced draft vocabulary.
+
+  Invariant the kernels rely on: the column map they get is strictly
+  increasing, so draft-column order is target-id order (the inverse CDF and
+  the first argmax over the draft columns are those over the target row).
+  With ``permute`` (the map is not known to be increasing) the draft columns
+  are sorted by target id here: ``order = argsort(draft_to_target)``, base
+  and proj permuted with it (a copy of base [B, S, Vd] and proj [Vd, R]),
+  which changes no logit: column j of the draft vocabulary is the same
+  (base[j], proj[j]) pair at its sorted place.
+
+  Args:
+    draft_to_target: int [Vd], distinct values in [0, cache_vocab).
+    base: [B, S, Vd]; head: proj [Vd, R].
+    permute: sort (static); False only where the map is known increasing.
+    cache_vocab: the target vocabulary V (static).
+
+  Returns:
+    (columns int32 [Vd] increasing, base, head, unmapped int32 [V - Vd] (the
+    target columns no draft column maps to, increasing) or None when V ==
+    Vd).
+  """
+  columns = draft_to_target.astype(jnp.int32)
+  if permute:
+    order = jnp.argsort(columns)
+    columns = columns[order]
+    base = jnp.take(base, order, axis=2)
+    head = MarkovHead(head.embed, jnp.take(head.proj, order, axis=0))
+  vd = columns.shape[0]
+  unmapped = None
+  if cache_vocab > vd:
+    mapped = jnp.zeros((cache_vocab,), bool).at[columns].set(True, mode="drop")
+    # A map with duplicates (unchecked inside jit) leaves fewer unmapped
+    # columns: the list's padding is cache_vocab, which the fill skips.
+    unmapped = jnp.nonzero(~mapped, size=cache_vocab - vd,
+                           fill_value=cache_vocab)[0].astype(jnp.int32)
+  return columns, base, head, unmapped
 
 
 def _draw_params(temperature, valid, u):
@@ -170,27 +242,42 @@ _guard_draft = _no_derivative("jm.sample_draft")
 _guard_draft_into = _no_derivative("jm.sample_draft_into")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "permute",
+                                             "target_vocab"))
 def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
-                  config, interpret):
+                  config, interpret, draft_to_target=None, permute=False,
+                  target_vocab=None):
   base, head, temperature = _guard_draft((base, head, temperature))
   B, S, V = base.shape
   u = rng.uniforms_from_words(words, positions)
   valid = jnp.ones((B, S), bool)
   params = _draw_params(jnp.broadcast_to(temperature[:, None], (B, S)), valid,
                         u)
+  columns = unmapped = None
+  if draft_to_target is not None:
+    columns, base, head, unmapped = _column_map(
+        draft_to_target, base, head, permute=permute, cache_vocab=target_vocab)
+    V = target_vocab
   tokens, cache = _run_steps(None, base, anchor_tokens.astype(jnp.int32), head,
                              params, None, num_cache_rows=B * S,
-                             config=config, interpret=interpret)
+                             config=config, interpret=interpret,
+                             columns=columns, unmapped=unmapped,
+                             cache_vocab=V)
   return Draft(tokens, cache.reshape(B, S, V))
 
 
 def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
-                            words, idx_map, positions, *, config, interpret):
+                            words, idx_map, positions, *, config, interpret,
+                            draft_to_target=None, permute=False):
   cache, base, head, temperature = _guard_draft_into(
       (cache, base, head, temperature))
   B, S, V = base.shape
   N = cache.shape[0]
+  columns = unmapped = None
+  if draft_to_target is not None:
+    V = cache.shape[2]  # the target vocabulary
+    columns, base, head, unmapped = _column_map(
+        draft_to_target, base, head, permute=permute, cache_vocab=V)
   idx_map = idx_map.astype(jnp.int32)
   # A row outside [0, N) is padding: refused when concrete, but under jit it
   # would make the kernels store and load past the cache (Triton does not
@@ -206,15 +293,49 @@ def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
   tokens, cache = _run_steps(cache.reshape(N * S, V), base,
                              anchor_tokens.astype(jnp.int32), head, params,
                              cache_rows, num_cache_rows=N * S, config=config,
-                             interpret=interpret)
+                             interpret=interpret, columns=columns,
+                             unmapped=unmapped, cache_vocab=V)
   return tokens, cache.reshape(N, S, V)
 
 
+_INTO_STATICS = ("config", "interpret", "permute")
 _sample_draft_into = jax.jit(_sample_draft_into_impl,
-                             static_argnames=("config", "interpret"))
+                             static_argnames=_INTO_STATICS)
 _sample_draft_into_donated = jax.jit(_sample_draft_into_impl,
-                                     static_argnames=("config", "interpret"),
+                                     static_argnames=_INTO_STATICS,
                                      donate_argnums=(0,))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret", "permute"))
+def _greedy_draft(base, anchor_tokens, head, *, config, interpret,
+                  draft_to_target=None, permute=False):
+  B, S, _ = base.shape
+  columns = None
+  if draft_to_target is not None:
+    # No cache: the unmapped target columns are never stored, so no list.
+    columns, base, head, _ = _column_map(draft_to_target, base, head,
+                                         permute=permute, cache_vocab=0)
+  tokens, _ = _run_steps(None, base, anchor_tokens.astype(jnp.int32), head,
+                         None, None, num_cache_rows=0, config=config,
+                         interpret=interpret, columns=columns, no_cache=True)
+  return tokens
+
+
+def _map_statics(draft_to_target, config, check_values: bool):
+  """(draft_to_target as an array or None, permute) for the jitted calls.
+
+  permute is False only where the map is concrete and strictly increasing
+  (then base and proj go to the kernels as they are); a traced map, or a
+  device array with check_values off, is sorted inside the call.
+  """
+  if draft_to_target is None:
+    return None, False
+  if config.select == "persistent":
+    raise ValueError("draft_to_target is not supported with "
+                     "select='persistent'; use select='pass' or 'tail'")
+  d2t = validate._concrete(draft_to_target, check_values)
+  permute = d2t is None or not bool((np.diff(d2t.astype(np.int64)) > 0).all())
+  return _as_array(draft_to_target), permute
 
 
 def _config(config, method, batch, vocab, rank, interpret):
@@ -230,7 +351,8 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
                  seeds, positions, *, interpret: bool | None = None,
                  method: str | None = None,
                  config: tuning.KernelConfig | None = None,
-                 check_values: bool = True) -> Draft:
+                 check_values: bool = True, draft_to_target=None,
+                 target_vocab: int | None = None) -> Draft:
   """Drafts S tokens per request with the Markov head, in one jitted call.
 
   Step s draws token[b, s] from ``logits[b, s] = base_logits[b, s] +
@@ -256,12 +378,24 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
     config: a full launch configuration, overriding the tuning table.
     check_values: read concrete arguments to check their values (waits for
       device arrays; inside jit nothing is read either way).
+    draft_to_target: int [Vd] or None: a reduced draft vocabulary. base_logits
+      is then [B, S, Vd] and head.proj [Vd, R] (the draft ids), and draft id
+      j is target id ``draft_to_target[j]`` (vLLM's ``j + d2t[j]``), distinct
+      values in [0, target_vocab); head.embed is indexed by target ids. The
+      logits come back over the target vocabulary, -inf at every target id no
+      draft id maps to, and the tokens are target ids, drawn by the rule over
+      that target row (so in target-id order, ties to the lowest target id).
+      Only the Vd mapped columns are computed; a map that is not increasing
+      costs a permuted copy of base and proj (see docs/api.md).
+    target_vocab: with draft_to_target, the target vocabulary V (the logits'
+      width); None: head.embed's rows.
 
   Returns:
     Draft(tokens int32 [B, S], logits float32 [B, S, V]), the logits being the
     pre-temperature values base + bias with the bias accumulated in float32.
-    A row whose logits are all -inf or NaN draws token 0; NaN logits are never
-    drawn and are returned in ``logits`` as computed.
+    A row whose logits are all -inf or NaN draws token 0 (with a map, the
+    lowest mapped target id); NaN logits are never drawn and are returned in
+    ``logits`` as computed.
 
   Raises:
     ValueError / TypeError, before anything compiles, for bad shapes, dtypes
@@ -274,10 +408,23 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
   words = rng.check_seeds(seeds, B, "B")
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
+  map_kw = {}
+  if draft_to_target is not None:
+    if target_vocab is None:
+      target_vocab = validate._shape(head.embed)[0]
+    validate.check_draft_to_target(draft_to_target, V, target_vocab,
+                                   validate._shape(head.embed)[0],
+                                   check_values=check_values)
+    d2t, permute = _map_statics(draft_to_target, config, check_values)
+    map_kw = dict(draft_to_target=d2t, permute=permute,
+                  target_vocab=int(target_vocab))
+  elif target_vocab is not None:
+    raise ValueError("target_vocab is for draft_to_target (a reduced draft "
+                     "vocabulary); without it the vocabulary is base's V")
   return _sample_draft(_as_array(base_logits), _as_array(anchor_tokens),
                        head, _as_array(temperature), words,
                        _as_array(positions), config=config,
-                       interpret=interpret)
+                       interpret=interpret, **map_kw)
 
 
 def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
@@ -285,7 +432,8 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
                       interpret: bool | None = None,
                       method: str | None = None,
                       config: tuning.KernelConfig | None = None,
-                      donate: bool = True, check_values: bool = True):
+                      donate: bool = True, check_values: bool = True,
+                      draft_to_target=None):
   """The serving-engine layout: draws into a cache indexed by state rows.
 
   The logits of (request b, step s) go to ``cache[idx_map[b, s], s, :]``; the
@@ -304,6 +452,11 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
       jit, where it cannot be refused, a row outside [0, N) is padding.
     interpret, method, config, check_values: as in :func:`sample_draft`.
     donate: donate ``cache`` to the call.
+    draft_to_target: int [Vd] or None: a reduced draft vocabulary, as in
+      :func:`sample_draft`, with the target vocabulary V the cache's width:
+      cache [N, S, V], base_logits [B, S, Vd], head.proj [Vd, R]. Each row
+      written holds -inf at the target ids no draft id maps to; the tokens
+      are target ids.
 
   Returns:
     (tokens int32 [B, S], cache float32 [N, S, V]).
@@ -315,13 +468,81 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
   """
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
-  N = validate.check_cache(cache, idx_map, B, S, V, check_values=check_values)
+  cache_vocab = V
+  if draft_to_target is not None:
+    cache_shape = validate._shape(cache)
+    cache_vocab = cache_shape[2] if len(cache_shape) == 3 else V
+    validate.check_draft_to_target(draft_to_target, V, cache_vocab,
+                                   validate._shape(head.embed)[0],
+                                   check_values=check_values)
+  N = validate.check_cache(cache, idx_map, B, S, cache_vocab,
+                           check_values=check_values)
   validate.check_temperature(temperature, N, "N", check_values=check_values)
   words = rng.check_seeds(seeds, N, "N")
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
+  map_kw = {}
+  if draft_to_target is not None:
+    d2t, permute = _map_statics(draft_to_target, config, check_values)
+    map_kw = dict(draft_to_target=d2t, permute=permute)
   fn = _sample_draft_into_donated if donate else _sample_draft_into
   return fn(_as_array(cache), _as_array(base_logits),
             _as_array(anchor_tokens), head, _as_array(temperature), words,
             _as_array(idx_map), _as_array(positions), config=config,
-            interpret=interpret)
+            interpret=interpret, **map_kw)
+
+
+def greedy_draft(base_logits, anchor_tokens, head: MarkovHead, *,
+                 draft_to_target=None, target_vocab: int | None = None,
+                 interpret: bool | None = None,
+                 config: tuning.KernelConfig | None = None,
+                 check_values: bool = True) -> jax.Array:
+  """Greedy drafting without a cache: the argmax chain, nothing written.
+
+  Step s takes ``tokens[b, s] = argmax(base_logits[b, s] + head.proj @
+  head.embed[prev[b]])`` (lowest index on ties, NaN as -inf; 0 for a row with
+  nothing finite), prev starting at ``anchor_tokens[b]``: exactly the tokens
+  of :func:`sample_draft` at temperature 0. No logits are stored and no
+  [*, V] float32 array is allocated: the block pass keeps only each block's
+  max and first argmax, and the select pass reads those.
+
+  Args:
+    base_logits: [B, S, V] (or [B, S, Vd] with draft_to_target) bf16, fp16 or
+      fp32.
+    anchor_tokens: int [B], the token before the first draft position.
+    head: the Markov head (embed [V_in, R], proj [V or Vd, R]).
+    draft_to_target: int [Vd] or None, a reduced draft vocabulary as in
+      :func:`sample_draft`: the tokens are then target ids, the argmax in
+      target-id order over the mapped ids.
+    target_vocab: with draft_to_target, the target vocabulary V (checked
+      against the map's values); None: head.embed's rows.
+    interpret: run the Pallas kernels in interpret mode; None picks it on any
+      backend but GPU.
+    config: a launch configuration (select "pass" or "tail"), overriding the
+      tuning table.
+    check_values: read concrete arguments to check their values.
+
+  Returns:
+    tokens int32 [B, S].
+  """
+  B, S, V = validate.check_greedy(base_logits, anchor_tokens, head,
+                                  check_values=check_values)
+  interpret = _interpret_default(interpret)
+  config = _config(config, None, B, V, head.rank, interpret)
+  if config.select == "persistent":
+    raise ValueError("greedy_draft runs step by step: config.select must be "
+                     "'pass' or 'tail', got 'persistent'")
+  map_kw = {}
+  if draft_to_target is not None:
+    if target_vocab is None:
+      target_vocab = validate._shape(head.embed)[0]
+    validate.check_draft_to_target(draft_to_target, V, target_vocab,
+                                   validate._shape(head.embed)[0],
+                                   check_values=check_values)
+    d2t, permute = _map_statics(draft_to_target, config, check_values)
+    map_kw = dict(draft_to_target=d2t, permute=permute)
+  elif target_vocab is not None:
+    raise ValueError("target_vocab is for draft_to_target (a reduced draft "
+                     "vocabulary); without it the vocabulary is base's V")
+  return _greedy_draft(_as_array(base_logits), _as_array(anchor_tokens), head,
+                       config=config, interpret=interpret, **map_kw)

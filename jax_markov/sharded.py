@@ -350,7 +350,8 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
                          interpret: bool | None = None,
                          method: str | None = None,
                          config: tuning.KernelConfig | None = None,
-                         check_values: bool = True) -> Draft:
+                         check_values: bool = True,
+                         draft_to_target=None) -> Draft:
   """Drafts S tokens per request with the vocabulary sharded over a mesh axis.
 
   The same draws as :func:`jax_markov.sample_draft` (same logits, same rule,
@@ -386,6 +387,9 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
       its select field does not: the draw is always the cross-device
       exchange above, after a block pass without the tail select).
     check_values: read concrete arguments to check their values.
+    draft_to_target: not supported here (a reduced draft vocabulary would
+      need the map split with the vocabulary and the draw's order across
+      shards kept in target-id order): anything but None raises ValueError.
 
   V need not be a multiple of n: the vocabulary is then padded inside the call
   with -inf base columns and zero proj rows, which are never drawn, and the
@@ -400,6 +404,10 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
       mesh without ``axis``, an unknown ``exchange``, or ``method``
       disagreeing with ``config``.
   """
+  if draft_to_target is not None:
+    raise ValueError("sample_draft_sharded does not support draft_to_target "
+                     "(a reduced draft vocabulary): use jm.sample_draft / "
+                     "jm.sample_draft_into on one device")
   if not isinstance(mesh, Mesh):
     raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
   if axis not in mesh.axis_names:

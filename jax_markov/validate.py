@@ -184,3 +184,56 @@ def check_cache(cache, idx_map, B: int, S: int, V: int, *, check_values: bool):
                lambda: f"idx_map[:, {s}] names a state row twice: two requests would write "
                "the same cache row")
   return n
+
+
+def check_draft_to_target(draft_to_target, draft_vocab: int, target_vocab: int,
+                          embed_rows: int, *, check_values: bool):
+  """Checks a reduced draft vocabulary's map (``draft_to_target``).
+
+  draft_to_target: int [Vd] with Vd the base logits' last dimension (and
+  proj's rows), the target id of each draft id; values in [0, V) and
+  distinct when concrete. V (target_vocab) >= Vd, and embed, which the
+  drawn target ids index, must have V_in >= V rows.
+  """
+  shape = _shape(draft_to_target)
+  _require(_is_int(_dtype(draft_to_target)),
+           lambda: f"draft_to_target must be integers (the target id of each "
+           f"draft id), got {_dtype(draft_to_target)}", TypeError)
+  _require(shape == (draft_vocab,),
+           lambda: f"draft_to_target must be [Vd]=[{draft_vocab}] (base_logits' "
+           f"last dimension and head.proj's rows), got shape {shape}")
+  _require(target_vocab >= draft_vocab,
+           lambda: f"draft_to_target: the target vocabulary V={target_vocab} is "
+           f"smaller than the draft vocabulary Vd={draft_vocab}")
+  _require(embed_rows >= target_vocab,
+           lambda: f"draft_to_target: head.embed has {embed_rows} rows but the "
+           f"drawn target ids (< V={target_vocab}) are looked up in it: V_in "
+           "must be >= V")
+  d2t = _concrete(draft_to_target, check_values)
+  if d2t is not None:
+    bad = (d2t < 0) | (d2t >= target_vocab)
+    _require(not bad.any(),
+             lambda: f"draft_to_target outside the target vocabulary [0, "
+             f"{target_vocab}): {d2t[bad][:8].tolist()}")
+    values, counts = np.unique(d2t, return_counts=True)
+    _require(len(values) == len(d2t),
+             lambda: "draft_to_target maps two draft ids to the same target "
+             f"id: {values[counts > 1][:8].tolist()}")
+
+
+def check_greedy(base_logits, anchor_tokens, head, *, check_values: bool):
+  """check_common for :func:`jax_markov.greedy_draft` (no positions). (B, S, V)."""
+  shape = _shape(base_logits)
+  positions_shape = shape[:2] if len(shape) == 3 else (None, None)
+  B, S, V = _check_common_shapes(
+      shape, _dtype(base_logits), _shape(head.embed), _dtype(head.embed),
+      _shape(head.proj), _dtype(head.proj), _shape(anchor_tokens),
+      _dtype(anchor_tokens), positions_shape, np.dtype(np.int32))
+  anchors = _concrete(anchor_tokens, check_values)
+  if anchors is not None:
+    v_in = _shape(head.embed)[0]
+    bad = (anchors < 0) | (anchors >= v_in)
+    _require(not bad.any(),
+             lambda: f"anchor_tokens outside the embedding table [0, {v_in}): "
+             f"{anchors[bad][:8].tolist()}")
+  return B, S, V

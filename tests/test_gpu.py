@@ -125,3 +125,37 @@ def test_persistent_draft_matches_block_pass_at_deepseek_v4_shape(B):
   step-by-step kernels'; a stale read at the barrier would show as a
   different token."""
   _assert_selects_draw_alike(B, 32, ("pass", "persistent"))
+
+
+from test_draft_vocab import *  # noqa: F401,F403,E402  (re-collected under the gpu mark)
+
+
+@pytest.mark.parametrize("B", [1, 16])
+def test_deepseek_v4_reduced_draft_vocab(B):
+  """A 32k draft vocabulary of the 129k target, shuffled map, compiled: the
+  contract on the target row, -inf at every unmapped id, and greedy_draft
+  equal to the T = 0 tokens."""
+  S, V, R, VD = DSV4["S"], DSV4["V"], DSV4["R"], 32768
+  rng = np.random.default_rng(22)
+  base, anchor, head, t, seeds, pos = make_problem(
+      B, S, VD, R, jnp.bfloat16, seed=22, v_in=V, head_scale=0.1,
+      temperature=np.where(np.arange(B) % 4 == 0, 0.0, 1.0))
+  anchor = jnp.asarray(rng.integers(0, V, B), jnp.int32)
+  d2t = rng.permutation(np.sort(rng.choice(V, VD, replace=False))).astype(np.int32)
+  draft = jm.sample_draft(base, anchor, head, t, seeds, pos, draft_to_target=d2t)
+  tokens, logits = np.asarray(draft.tokens), np.asarray(draft.logits)
+  assert logits.shape == (B, S, V) and np.isin(tokens, d2t).all()
+  unmapped = np.setdiff1d(np.arange(V), d2t)
+  assert (logits[..., unmapped] == -np.inf).all()
+  base_t = np.full((B, S, V), -np.inf, np.float32)
+  base_t[..., d2t] = np.asarray(base, np.float32)
+  proj_t = np.zeros((V, R), np.float32)
+  proj_t[d2t] = np.asarray(head.proj, np.float32)
+  u = np.asarray(jm.draft_uniforms(seeds, pos))
+  check_draft(tokens, logits, base_t, anchor,
+              jm.MarkovHead(np.asarray(head.embed, np.float32), proj_t),
+              np.broadcast_to(np.asarray(t)[:, None], (B, S)), u)
+  t0 = jnp.zeros((B,), jnp.float32)
+  want = jm.sample_draft(base, anchor, head, t0, seeds, pos, draft_to_target=d2t)
+  got = jm.greedy_draft(base, anchor, head, draft_to_target=d2t)
+  np.testing.assert_array_equal(got, want.tokens)

@@ -21,14 +21,24 @@ S = 3
 DSV4 = dict(V=129280, R=256)
 
 
-def _triton_calls(config, B, V, R, into=False):
-  """Lowers one draft for CUDA; returns how many Triton kernels it launches."""
+def _triton_calls(config, B, V, R, into=False, draft_vocab=None,
+                  permute=True):
+  """Lowers one draft for CUDA; returns how many Triton kernels it launches.
+
+  draft_vocab: with a reduced draft vocabulary of that size (a
+  draft_to_target map, sorted in the call when permute), base and proj have
+  draft_vocab columns / rows and the cache V.
+  """
+  vd = V if draft_vocab is None else draft_vocab
   head = jm.MarkovHead(embed=jax.ShapeDtypeStruct((V, R), jnp.bfloat16),
-                       proj=jax.ShapeDtypeStruct((V, R), jnp.bfloat16))
+                       proj=jax.ShapeDtypeStruct((vd, R), jnp.bfloat16))
   spec = jax.ShapeDtypeStruct
-  args = [spec((B, S, V), jnp.bfloat16), spec((B,), jnp.int32), head,
+  args = [spec((B, S, vd), jnp.bfloat16), spec((B,), jnp.int32), head,
           spec((B,), jnp.float32), spec((B, 2), jnp.uint32),
           spec((B, S), jnp.int32)]
+  kw = {}
+  if draft_vocab is not None:
+    kw = dict(draft_to_target=spec((vd,), jnp.int32), permute=permute)
   fn = sampler._sample_draft
   if into:
     N = B + 2
@@ -36,9 +46,33 @@ def _triton_calls(config, B, V, R, into=False):
             spec((N,), jnp.float32), spec((N, 2), jnp.uint32),
             spec((B, S), jnp.int32), args[5]]
     fn = sampler._sample_draft_into
-  lowered = fn.trace(*args, config=config, interpret=False).lower(
+  elif draft_vocab is not None:
+    kw["target_vocab"] = V
+  lowered = fn.trace(*args, config=config, interpret=False, **kw).lower(
       lowering_platforms=("cuda",))
   return lowered.as_text().count("xla.gpu.triton")
+
+
+def _greedy_triton_calls(config, B, V, R, draft_vocab=None):
+  """Lowers one jm.greedy_draft for CUDA; returns its Triton launches."""
+  vd = V if draft_vocab is None else draft_vocab
+  spec = jax.ShapeDtypeStruct
+  head = jm.MarkovHead(embed=spec((V, R), jnp.bfloat16),
+                       proj=spec((vd, R), jnp.bfloat16))
+  kw = {}
+  if draft_vocab is not None:
+    kw = dict(draft_to_target=spec((vd,), jnp.int32), permute=True)
+  lowered = sampler._greedy_draft.trace(
+      spec((B, S, vd), jnp.bfloat16), spec((B,), jnp.int32), head,
+      config=config, interpret=False, **kw).lower(lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  # No cache: no [B * S, V] or [B, S, V] float32 anywhere; fused, no [*, V]
+  # float32 at all (xla_bias has its per-step bias [B, Vd]).
+  for shape in (f"{B * S}x{V}", f"{B * S}x{vd}", f"x{S}x{V}", f"x{S}x{vd}"):
+    assert f"{shape}xf32>" not in text, shape
+  if config.fused:
+    assert f"x{V}xf32>" not in text and f"x{vd}xf32>" not in text
+  return text.count("xla.gpu.triton")
 
 
 @pytest.fixture(autouse=True)
@@ -76,6 +110,46 @@ CONFIGS = [
 @pytest.mark.parametrize("config,launches", CONFIGS)
 def test_config_lowers_to_triton(config, launches, into):
   assert _triton_calls(config, 5, 1000, 64, into=into) == launches
+
+
+# The step-by-step configurations (the persistent draft refuses a map and
+# greedy drafting).
+STEPWISE = [(c, n) for c, n in CONFIGS if c.select != "persistent"]
+
+
+@pytest.mark.parametrize("into", [False, True])
+@pytest.mark.parametrize("config,launches", STEPWISE)
+def test_reduced_draft_vocab_lowers_to_triton(config, launches, into):
+  """draft_to_target: the scatter store and the mapped draw lower; one more
+  launch a draft (fill_columns, the unmapped -inf), none when Vd == V."""
+  assert _triton_calls(config, 5, 1000, 64, into=into,
+                       draft_vocab=600) == launches + 1
+  assert _triton_calls(config, 5, 1000, 64, into=into, draft_vocab=1000,
+                       permute=False) == launches
+
+
+@pytest.mark.parametrize("config,launches", STEPWISE)
+def test_greedy_draft_lowers_to_triton(config, launches):
+  """The no-cache block pass and the greedy-only select (or tail) lower,
+  with and without the map, and the program holds no [*, V] float32."""
+  assert _greedy_triton_calls(config, 5, 1000, 64) == launches
+  assert _greedy_triton_calls(config, 5, 1000, 64, draft_vocab=600) == launches
+
+
+def test_persistent_draft_refuses_a_map():
+  config = CONFIGS[-1][0]
+  assert config.select == "persistent"
+  with pytest.raises(ValueError, match="persistent"):
+    _triton_calls(config, 5, 1000, 64, draft_vocab=600)
+
+
+@pytest.mark.parametrize("B", [1, 64])
+def test_reduced_draft_vocab_lowers_at_deepseek_v4_shape(B):
+  """The table's entries with a 32k draft vocabulary of the 129k target."""
+  config = tuning.choose(None, B, 32768, DSV4["R"], interpret=False)
+  launches = S if config.select == "tail" else 2 * S
+  assert _triton_calls(config, B, DSV4["V"], DSV4["R"],
+                       draft_vocab=32768) == launches + 1
 
 
 @pytest.mark.parametrize("B", [1, 64, 256])
@@ -136,7 +210,23 @@ def test_one_step_operand_order_for_a_native_runtime():
   order, aliases = _pallas_operands(fn, stats, stats, i32(B, V // 64), cache,
                                     step, params, cache_rows, tokens)
   assert order == list(range(8)) and dict(aliases) == {7: 0}
+  # New optional operands go last, so the order above holds without them.
   assert block_pass.INPUTS == ("base", "embed", "proj", "anchors", "tokens",
                                "bias", "step", "params", "cache_rows",
-                               "cache", "counters")
-  assert select_pass.INPUTS[-1] == "tokens"
+                               "cache", "counters", "columns")
+  assert select_pass.INPUTS == ("block_max", "block_sum", "block_argmax",
+                                "cache", "step", "params", "cache_rows",
+                                "tokens", "columns")
+
+  # With the map: columns after every other given input.
+  fn = lambda b, e, p, a, s, q, r, c, t, n, m: block_pass.block_pass(  # noqa: E731
+      b, (e, p, a), s, q, r, c, t, n, config=tail, columns=m, **statics)
+  order, aliases = _pallas_operands(fn, base, embed, proj, anchors, step,
+                                    params, cache_rows, cache, tokens, i32(B),
+                                    i32(V))
+  assert order == [0, 1, 2, 3, 8, 4, 5, 6, 7, 9, 10]
+  fn = lambda *xs: select_pass.select_pass(  # noqa: E731
+      *xs[:-1], config=tail, num_steps=S, columns=xs[-1])
+  order, _ = _pallas_operands(fn, stats, stats, i32(B, V // 64), cache,
+                              step, params, cache_rows, tokens, i32(V))
+  assert order == list(range(9))

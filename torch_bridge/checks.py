@@ -107,6 +107,13 @@ def rules(m: int, s_len: int, vocab: int, rank: int, dtype) -> dict[str, Rule]:
           INTS, lambda s: len(s) == 2 and s[0] >= m and s[1] >= s_len,
           f"[max_num_reqs = {m}, >= S = {s_len}]", contiguous=False,
           written=True),
+      "spec.confidence_logits": Rule(
+          FLOATS, lambda s: len(s) == 2 and s[0] >= m and s[1] >= s_len,
+          f"[max_num_reqs = {m}, >= S = {s_len}]", contiguous=False,
+          written=True),
+      "spec.confidence_prefix_lengths": Rule(
+          INTS, lambda s: len(s) == 1 and s[0] >= m, f"[>= max_num_reqs = {m}]",
+          contiguous=False, written=True),
       "spec.sample_indices": Rule(
           INTS, lambda s: len(s) == 1 and s[0] >= m * s_len,
           f"[>= max_num_reqs * S = {m * s_len}]", contiguous=False),

@@ -270,6 +270,11 @@ class FusedMarkovSampler:
         return True
       # Everything the call writes is checked before anything is written.
       self.check_buffer("spec.draft_tokens", spec.draft_tokens, s_len)
+      conf = getattr(spec, "confidence_config", None)
+      conf = conf if conf is not None and getattr(conf, "enabled", False) \
+          else None
+      if conf is not None:
+        self._check_confidence(spec, conf, s_len)
       self.check_buffer(checks.CACHE, checks.cache_tensor(spec.draft_logits),
                         s_len)
       if self.check_values and not capturing:
@@ -287,9 +292,49 @@ class FusedMarkovSampler:
           raise
         self._fall_back(e)
         self._impl.run(spec, n, s_len, base)
+      if conf is not None:
+        self._confidence(spec, n, s_len, head_hidden, float(conf.threshold))
     return True
 
+  def _confidence(self, spec, n: int, s_len: int, head_hidden,
+                  threshold: float) -> None:
+    """The confidence head after the draft, as vLLM's loop computes it.
+
+    Step i's score is ``compute_confidence_logits(hidden of draw i,
+    markov_embed(token before step i))``; it depends only on tokens already
+    drawn, so all S scores are one batched call after the draft (the head
+    is row-wise). From the first step whose sigmoid is below the threshold
+    on, the tokens become -1; the prefix lengths count the tokens kept.
+    """
+    model = spec.model
+    tokens = spec.draft_tokens[:n, :s_len]
+    anchors = spec.input_buffers.input_ids[spec._anchor_idx[:n]]  # pylint: disable=protected-access
+    prev = torch.cat([anchors[:, None].to(tokens.dtype), tokens[:, :-1]], 1)
+    embed = model.markov_embed(prev.reshape(-1))
+    hidden = head_hidden[spec.sample_indices[:n * s_len]]
+    scores = model.compute_confidence_logits(hidden, embed).reshape(n, s_len)
+    spec.confidence_logits[:n, :s_len].copy_(scores)
+    below = torch.sigmoid(scores.float()) < threshold
+    keep = torch.cumprod((~below).to(torch.int32), dim=1).bool()
+    tokens.masked_fill_(~keep, -1)
+    spec.confidence_prefix_lengths[:n].copy_(keep.sum(dim=1))
+
   # -- internals --------------------------------------------------------------
+
+  def _check_confidence(self, spec, conf, s_len: int) -> None:
+    threshold = getattr(conf, "threshold", None)
+    if isinstance(threshold, bool) or not isinstance(
+        threshold, (int, float, np.floating, np.integer)) or threshold != threshold:
+      raise BridgeInputError(
+          "spec.confidence_config.threshold: expected a number, got "
+          f"{threshold!r}")
+    for name in ("compute_confidence_logits", "markov_embed"):
+      if not callable(getattr(spec.model, name, None)):
+        raise BridgeInputError(
+            f"spec.model.{name}: the confidence head needs it callable")
+    self.check_buffer("spec.confidence_logits", spec.confidence_logits, s_len)
+    self.check_buffer("spec.confidence_prefix_lengths",
+                      spec.confidence_prefix_lengths, s_len)
 
   def _unsupported(self, spec) -> str | None:
     """Why the hook declines this configuration, or None."""
@@ -297,9 +342,6 @@ class FusedMarkovSampler:
       return "greedy drafting (spec.draft_logits is None)"
     if getattr(spec.model, "draft_id_to_target_id", None) is not None:
       return "a reduced draft vocabulary (spec.model.draft_id_to_target_id)"
-    conf = getattr(spec, "confidence_config", None)
-    if conf is not None and getattr(conf, "enabled", False):
-      return "the confidence head (spec.confidence_config.enabled)"
     return None
 
   def _set_device(self, device: torch.device):

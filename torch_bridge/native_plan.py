@@ -23,8 +23,12 @@ import jax.numpy as jnp
 import torch
 
 from jax_markov.kernels import tuning
+from jax_markov.kernels import block_pass as block_pass_module
+from jax_markov.kernels import fill_columns as fill_columns_module
+from jax_markov.kernels import select_pass as select_pass_module
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
 from jax_markov.kernels.draw_params import ParamsLayout, draw_params
+from jax_markov.kernels.fill_columns import fill_columns
 from jax_markov.kernels.select_pass import select_pass
 from torch_bridge import native
 
@@ -47,6 +51,11 @@ class DraftShape:
     words: (name, int32 words) of each integer buffer (idx, pos, seeds, ids,
       anchor_idx), as the kernels read them.
     layout: which integer buffers are int64 word pairs.
+    draft_vocab: Vd with a reduced draft vocabulary (the base logits and proj
+      have Vd columns / rows, a strictly increasing column map ``columns``
+      int32 [Vd] places them in the V target columns, and ``unmapped`` int32
+      [V - Vd] lists the others), else None (Vd = V, no map).
+    greedy: greedy drafting: tokens only, no cache (vLLM's draft_logits None).
   """
   max_num_reqs: int
   steps: int
@@ -58,6 +67,18 @@ class DraftShape:
   temperature_dtype: torch.dtype
   words: tuple[tuple[str, int], ...]
   layout: ParamsLayout
+  draft_vocab: int | None = None
+  greedy: bool = False
+
+  @property
+  def vd(self) -> int:
+    """Columns of the base logits and rows of proj (the draft vocabulary)."""
+    return self.vocab if self.draft_vocab is None else self.draft_vocab
+
+  @property
+  def mapped(self) -> bool:
+    """A reduced draft vocabulary: draft column j is cache column columns[j]."""
+    return self.draft_vocab is not None
 
   def describe(self) -> dict:
     return {k: str(v) for k, v in dataclasses.asdict(self).items()}
@@ -79,62 +100,115 @@ def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), _JNP.get(dtype, dtype))
 
 
+def _lower(ir_cache, description, call, specs: dict):
+  """Lowers ``call(**arrays)`` for the named operand specs."""
+  names = list(specs)
+  return ir_cache.get_or_lower(
+      description, lambda *arrays: call(**dict(zip(names, arrays))),
+      *specs.values())
+
+
+def operands(inputs, outputs, given_in, given_out) -> list[str]:
+  """A kernel's operand names in pallas_call order: given inputs, outputs."""
+  return ([n for n in inputs if n in given_in] +
+          [n for n in outputs if n in given_out])
+
+
 def lower_bucket(shape: DraftShape, bucket: int,
                  ir_cache: native.IRCache) -> dict:
   """Lowers a bucket's kernels (no GPU needed).
 
   Returns:
-    {"draw_params" | "block_pass" | "select_pass": (KernelIR, ttir path)};
-    no select pass where the configuration draws in the block pass.
+    {kernel: (KernelIR, ttir path, operand names)} for "draw_params",
+    "fill_columns" (a reduced vocabulary with unmapped columns, sampling),
+    "block_pass" and "select_pass" (unless the block pass draws, tail).
   """
   sh, bp = shape, bucket
-  m, s, v, r = sh.max_num_reqs, sh.steps, sh.vocab, sh.rank
-  cfg = config(bp, v, r)
+  m, s, v, vd, r = sh.max_num_reqs, sh.steps, sh.vocab, sh.vd, sh.rank
+  cfg = config(bp, vd, r)
   words = dict(sh.words)
   desc = {"shape": sh.describe(), "bucket": bp, "config": repr(cfg)}
   i32, f32 = jnp.int32, jnp.float32
   out = {}
 
-  def params_fn(idx, pos, temp, seeds, ids, aidx, count):
-    return draw_params(idx, pos, temp, seeds, ids, aidx, count, batch=bp,
-                       steps=s, vocab_in=sh.vocab_in, layout=sh.layout)
+  def params_call(idx, pos, temperature, seeds, ids, anchor_idx, count):
+    return draw_params(idx, pos, temperature, seeds, ids, anchor_idx, count,
+                       batch=bp, steps=s, vocab_in=sh.vocab_in,
+                       layout=sh.layout)
 
-  out["draw_params"] = ir_cache.get_or_lower(
-      {**desc, "kernel": "draw_params"}, params_fn,
-      _spec((words["idx"],), i32), _spec((words["pos"],), i32),
-      _spec((m,), sh.temperature_dtype), _spec((words["seeds"],), i32),
-      _spec((words["ids"],), i32), _spec((words["anchor_idx"],), i32),
-      _spec((1,), i32))
+  specs = dict(idx=_spec((words["idx"],), i32), pos=_spec((words["pos"],), i32),
+               temperature=_spec((m,), sh.temperature_dtype),
+               seeds=_spec((words["seeds"],), i32),
+               ids=_spec((words["ids"],), i32),
+               anchor_idx=_spec((words["anchor_idx"],), i32),
+               count=_spec((1,), i32))
+  out["draw_params"] = (*_lower(ir_cache, {**desc, "kernel": "draw_params"},
+                                params_call, specs),
+                        [*specs, "params", "cache_rows", "anchors"])
+
+  cache_spec = _spec((m * s, v), f32)
+  if sh.mapped and not sh.greedy and v > vd:
+    def fill_call(unmapped, cache_rows, cache):
+      return fill_columns(unmapped, cache_rows, cache, num_cache_rows=m * s,
+                          vocab=v, num_rows=bp * s)
+
+    specs = dict(unmapped=_spec((v - vd,), i32),
+                 cache_rows=_spec((bp * s,), i32), cache=cache_spec)
+    out["fill_columns"] = (
+        *_lower(ir_cache, {**desc, "kernel": "fill_columns"}, fill_call,
+                specs),
+        operands(fill_columns_module.INPUTS, fill_columns_module.OUTPUTS,
+                 specs, ("cache",)))
 
   tail = cfg.select == "tail"
-  kw = dict(config=cfg, num_steps=s, num_cache_rows=m * s)
+  columns = dict(columns=_spec((vd,), i32)) if sh.mapped else {}
+  kw = dict(config=cfg, num_steps=s, num_cache_rows=m * s,
+            cache_vocab=v if sh.mapped else None, no_cache=sh.greedy)
 
-  def block_fn(base, embed, proj, anchors, tokens, step, params, rows, cache,
-               *counters):
-    return block_pass(base, (embed, proj, anchors), step, params, rows, cache,
-                      tokens, counters[0] if tail else None, **kw)
+  def block_call(base, embed, proj, anchors, tokens, step, params=None,
+                 cache_rows=None, cache=None, counters=None, columns=None):
+    return block_pass(base, (embed, proj, anchors), step, params, cache_rows,
+                      cache, tokens, counters, columns=columns, **kw)
 
-  specs = [_spec((bp * s, v), sh.base_dtype),
-           _spec((sh.vocab_in, r), sh.head_dtype),
-           _spec((v, r), sh.head_dtype), _spec((bp,), i32),
-           _spec((bp * s,), i32), _spec((1,), i32), _spec((3, bp * s), f32),
-           _spec((bp * s,), i32), _spec((m * s, v), f32)]
+  specs = dict(base=_spec((bp * s, vd), sh.base_dtype),
+               embed=_spec((sh.vocab_in, r), sh.head_dtype),
+               proj=_spec((vd, r), sh.head_dtype), anchors=_spec((bp,), i32),
+               tokens=_spec((bp * s,), i32), step=_spec((1,), i32))
+  if not sh.greedy:
+    specs.update(params=_spec((3, bp * s), f32),
+                 cache_rows=_spec((bp * s,), i32), cache=cache_spec)
   if tail:
-    specs.append(_spec((num_request_tiles(bp, cfg.block_b),), i32))
-  out["block_pass"] = ir_cache.get_or_lower(
-      {**desc, "kernel": "block_pass"}, block_fn, *specs)
+    specs["counters"] = _spec((num_request_tiles(bp, cfg.block_b),), i32)
+  specs.update(columns)
+  outs = {"block_max", "block_argmax"} | (
+      set() if sh.greedy else {"cache", "block_sum"}) | (
+          {"tokens", "counters"} if tail else set())
+  out["block_pass"] = (
+      *_lower(ir_cache, {**desc, "kernel": "block_pass"}, block_call, specs),
+      operands(block_pass_module.INPUTS, block_pass_module.OUTPUTS, specs,
+               outs))
   if not tail:
-    nb = num_blocks(v, cfg)
+    nb = num_blocks(vd, cfg)
 
-    def select_fn(bmax, bsum, barg, cache, step, params, rows, tokens):
-      return select_pass(bmax, bsum, barg, cache, step, params, rows, tokens,
-                         config=cfg, num_steps=s)
+    def select_call(block_max, block_argmax, step, tokens, block_sum=None,
+                    cache=None, params=None, cache_rows=None, columns=None):
+      return select_pass(block_max, block_sum, block_argmax, cache, step,
+                         params, cache_rows, tokens, config=cfg, num_steps=s,
+                         columns=columns, vocab=vd, no_cache=sh.greedy)
 
-    out["select_pass"] = ir_cache.get_or_lower(
-        {**desc, "kernel": "select_pass"}, select_fn,
-        _spec((bp, nb), f32), _spec((bp, nb), f32), _spec((bp, nb), i32),
-        _spec((m * s, v), f32), _spec((1,), i32), _spec((3, bp * s), f32),
-        _spec((bp * s,), i32), _spec((bp * s,), i32))
+    specs = dict(block_max=_spec((bp, nb), f32),
+                 block_argmax=_spec((bp, nb), i32), step=_spec((1,), i32),
+                 tokens=_spec((bp * s,), i32))
+    if not sh.greedy:
+      specs.update(block_sum=_spec((bp, nb), f32), cache=cache_spec,
+                   params=_spec((3, bp * s), f32),
+                   cache_rows=_spec((bp * s,), i32))
+    specs.update(columns)
+    out["select_pass"] = (
+        *_lower(ir_cache, {**desc, "kernel": "select_pass"}, select_call,
+                specs),
+        operands(select_pass_module.INPUTS, select_pass_module.OUTPUTS,
+                 specs, ("tokens",)))
   return out
 
 
@@ -155,7 +229,8 @@ class DraftPlans:
     self.counts = torch.zeros((m + 1, ROW), **i32)
     self.counts[:, 0] = torch.arange(m + 1, **i32)
     # Scratch for the largest bucket; a bucket uses the leading part.
-    nb_max = max(num_blocks(v, config(b, v, shape.rank)) for b in buckets)
+    vd = shape.vd
+    nb_max = max(num_blocks(vd, config(b, vd, shape.rank)) for b in buckets)
     self.params = torch.empty(3 * m * s, dtype=torch.float32, device=device)
     self.cache_rows = torch.empty(m * s, **i32)
     self.anchors = torch.empty(m, **i32)
@@ -164,7 +239,7 @@ class DraftPlans:
     self.bsum = torch.empty(m * nb_max, dtype=torch.float32, device=device)
     self.barg = torch.empty(m * nb_max, **i32)
     self.counters = torch.zeros(m, **i32)  # the tail select leaves them at 0
-    self.pad = torch.zeros((m, s, v), dtype=shape.base_dtype, device=device)
+    self.pad = torch.zeros((m, s, vd), dtype=shape.base_dtype, device=device)
     self._plans: dict[int, list[native.Launch]] = {}
 
   def plan(self, bucket: int) -> list[native.Launch]:
@@ -176,37 +251,36 @@ class DraftPlans:
     return launches
 
   def _build(self, bp: int) -> list[native.Launch]:
-    kernels = {}
     try:
-      for name, (ir, path) in lower_bucket(self.shape, bp,
-                                           self.ir_cache).items():
-        kernels[name] = (ir, native.compile_kernel(ir, path, self.capability)[
-            ir.grid])
+      return self._launches(bp)
+    except native.BuildError:
+      raise
     except Exception as e:  # pylint: disable=broad-except
-      raise native.BuildError(
-          f"bucket {bp}: {type(e).__name__}: {e}") from e
+      # Lowering, compiling or loading a kernel failed: the hook falls back.
+      raise native.BuildError(f"bucket {bp}: {type(e).__name__}: {e}") from e
+
+  def _launches(self, bp: int) -> list[native.Launch]:
     ptr = lambda t: t.data_ptr()
-    params, rows, anchors, tokens = map(
-        ptr, (self.params, self.cache_rows, self.anchors, self.tokens))
-    stats = [ptr(self.bmax), ptr(self.bsum), ptr(self.barg)]
-    ir, runner = kernels["draw_params"]
-    launches = [native.Launch(ir, runner, [
-        "idx", "pos", "temperature", "seeds", "ids", "anchor_idx", "count",
-        params, rows, anchors])]
-    block_ir, block_runner = kernels["block_pass"]
-    tail = "select_pass" not in kernels
-    for step in range(self.shape.steps):
-      step_ptr = ptr(self.steps[step])
-      args = ["base", "embed", "proj", anchors, tokens, step_ptr, params,
-              rows, "cache"]
-      if tail:
-        args += [ptr(self.counters), "cache", *stats, tokens,
-                 ptr(self.counters)]
-      else:
-        args += ["cache", *stats]
-      launches.append(native.Launch(block_ir, block_runner, args))
-      if not tail:
-        ir, runner = kernels["select_pass"]
-        launches.append(native.Launch(ir, runner, [
-            *stats, "cache", step_ptr, params, rows, tokens, tokens]))
-    return launches
+    # Every operand by name: scratch pointers here, the call's buffers as
+    # names looked up in its bindings ("base", "cache", "count", ...).
+    fixed = dict(params=ptr(self.params), cache_rows=ptr(self.cache_rows),
+                 anchors=ptr(self.anchors), tokens=ptr(self.tokens),
+                 block_max=ptr(self.bmax), block_sum=ptr(self.bsum),
+                 block_argmax=ptr(self.barg), counters=ptr(self.counters))
+    launches = []
+    for name, (ir, path, names) in lower_bucket(self.shape, bp,
+                                                self.ir_cache).items():
+      kernel = native.compile_kernel(ir, path, self.capability)
+      steps = range(self.shape.steps) if name in ("block_pass",
+                                                  "select_pass") else (None,)
+      for step in steps:
+        table = dict(fixed)
+        if step is not None:
+          table["step"] = ptr(self.steps[step])
+        launches.append((name, step, native.Launch(
+            ir, kernel, [table.get(n, n) for n in names])))
+    # In draft order: draw_params, fill_columns, then block [select] a step.
+    rank = {"draw_params": 0, "fill_columns": 1, "block_pass": 2,
+            "select_pass": 3}
+    launches.sort(key=lambda x: (x[1] is not None, x[1] or 0, rank[x[0]]))
+    return [launch for _, _, launch in launches]

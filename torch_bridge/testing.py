@@ -348,3 +348,150 @@ def speculator_from_tensors(base, embed, proj, anchors, temperature, seeds,
   spec.head_hidden = torch.zeros((spec.num_tokens, 8), dtype=base.dtype,
                                  device=dev)
   return spec
+
+
+# ============================================================================
+# DSpark's other modes (vLLM's _sample_sequential): greedy drafting, a reduced
+# draft vocabulary, the confidence head; and the plain-torch loop of all four.
+
+
+class ConfidenceHead(nn.Module):
+  """A confidence head: a linear score of [hidden, markov_embed(prev)]."""
+
+  def __init__(self, hidden: int, rank: int):
+    super().__init__()
+    self.proj = nn.Linear(hidden + rank, 1)
+
+  def forward(self, hidden: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+    return self.proj(torch.cat([hidden, embed.to(hidden.dtype)], dim=-1))
+
+
+def add_modes(spec: SpeculatorDouble, *, draft_vocab: int | None = None,
+              shuffled: bool = False, greedy: bool = False,
+              confidence_threshold: float | None = None,
+              seed: int = 0) -> SpeculatorDouble:
+  """Turns a double into one of DSpark's other modes, vLLM-shaped.
+
+  Args:
+    spec: a double built with ``vocab`` = the TARGET vocabulary V (and
+      v_in >= V: markov_w1 is indexed by target ids).
+    draft_vocab: Vd < V or = V: the LM head and markov_w2 get Vd rows and
+      ``model.draft_id_to_target_id`` (d2t, int64 [Vd]) maps draft id j to
+      target id ``j + d2t[j]`` (``model.map_draft_to_target``); increasing
+      targets unless ``shuffled``.
+    greedy: ``spec.draft_logits = None`` (greedy drafting, tokens only).
+    confidence_threshold: enable the confidence head with this threshold:
+      ``spec.confidence_config``, ``spec.confidence_logits`` float32 [M, S],
+      ``spec.confidence_prefix_lengths`` int64 [M],
+      ``model.compute_confidence_logits(hidden [n, H], embed [n, R]) -> [n, 1]``.
+
+  Returns:
+    spec, changed in place.
+  """
+  g = torch.Generator().manual_seed(seed + 1000)
+  model, dev = spec.model, spec.device
+  dtype = model.lm_head.weight.dtype
+  vocab, m, s = spec.vocab, spec.max_num_reqs, spec.num_speculative_steps
+  if draft_vocab is not None:
+    targets = torch.sort(torch.randperm(vocab, generator=g)[:draft_vocab])[0]
+    if shuffled:
+      targets = targets[torch.randperm(draft_vocab, generator=g)]
+    with dev:
+      lm_head = nn.Linear(spec.hidden, draft_vocab, bias=False)
+      w2 = nn.Linear(model.model.markov_head.markov_w2.in_features,
+                     draft_vocab, bias=False)
+    with torch.no_grad():
+      lm_head.weight.mul_(4.0)
+    model.lm_head = lm_head.to(dtype)
+    model.model.markov_head.markov_w2 = w2.to(dtype)
+    model.draft_id_to_target_id = (
+        targets - torch.arange(draft_vocab)).to(device=dev, dtype=torch.int64)
+    model.map_draft_to_target = lambda ids: ids + model.draft_id_to_target_id[ids]
+    spec.draft_vocab = draft_vocab
+  else:
+    model.map_draft_to_target = lambda ids: ids
+    spec.draft_vocab = vocab
+  if greedy:
+    spec.draft_logits = None
+  if confidence_threshold is not None:
+    rank = model.model.markov_head.markov_w1.weight.shape[1]
+    with dev:
+      model.confidence_head = ConfidenceHead(spec.hidden, rank).to(dtype)
+    model.compute_confidence_logits = model.confidence_head
+    spec.confidence_config = SimpleNamespace(enabled=True,
+                                             threshold=confidence_threshold)
+    spec.confidence_logits = torch.full((m, s), -5.0, dtype=torch.float32,
+                                        device=dev)
+    spec.confidence_prefix_lengths = torch.full((m,), -3, dtype=torch.int64,
+                                                device=dev)
+  return spec
+
+
+def torch_dspark_loop(spec: SpeculatorDouble, num_reqs: int,
+                      head_hidden: torch.Tensor) -> dict:
+  """vLLM's _sample_sequential as a plain-torch loop, every mode, on the CPU.
+
+  The draw (sampling modes) is the inverse CDF of softmax(logits / T) over the
+  target vocabulary with the uniforms of ``jm.draft_uniforms``; greedy is the
+  lowest index of the max. With a reduced vocabulary, draft column j is target
+  column j + d2t[j] and every other target column is -inf; the drawn token is
+  a target id, and so is the next step's ``markov_embed(prev)`` index.
+
+  Returns:
+    dict(tokens int64 [n, S] (after the confidence mask), logits float32
+    [n, S, V] target-vocabulary logits of every step (None when greedy),
+    confidence float32 [n, S] or None, prefix int64 [n] or None).
+  """
+  n, s_len = num_reqs, spec.num_speculative_steps
+  model = spec.model
+  x = spec.inputs(n, head_hidden)
+  idx = x["idx"]
+  valid = idx >= 0
+  rows = torch.where(valid, idx, 0)
+  greedy_mode = spec.draft_logits is None
+  d2t = getattr(model, "draft_id_to_target_id", None)
+  vocab = spec.vocab
+  targets = (torch.arange(spec.draft_vocab) +
+             (d2t.cpu() if d2t is not None else 0))
+  m = x["temperature"].shape[0]
+  seeds = _pad_rows(x["seeds"][rows.reshape(-1)], m * s_len, 0)
+  pos = _pad_rows(torch.clamp(x["positions"], min=0).reshape(-1, 1),
+                  m * s_len, 0)
+  u = np.array(draft_uniforms(seeds.numpy(), pos.numpy()))
+  u = torch.from_numpy(u)[:n * s_len].view(n, s_len)
+  temp = torch.where(valid, x["temperature"][rows], 0.0)
+  temp = torch.where(temp > 0, temp, 0.0)
+  w1, w2 = x["w1"].float(), x["w2"].float()
+  prev = x["anchors"]
+  tokens, logits, prevs = [], [], []
+  for step in range(s_len):
+    prevs.append(prev)
+    draft = x["base"][:, step].float() + w1[prev] @ w2.T  # [n, Vd]
+    if greedy_mode:
+      tok = targets[draft.argmax(dim=-1)]  # map_draft_to_target
+    else:
+      full = torch.full((n, vocab), -torch.inf)
+      full[:, targets] = draft
+      tok = torch_draw(full, temp[:, step], u[:, step])
+      logits.append(full)
+    tokens.append(tok)
+    prev = tok
+  tokens = torch.stack(tokens, 1)
+  out = dict(tokens=tokens, logits=None if greedy_mode else
+             torch.stack(logits, 1), confidence=None, prefix=None)
+  conf = getattr(spec, "confidence_config", None)
+  if conf is not None and conf.enabled:
+    hidden = head_hidden[spec.sample_indices[:n * s_len]].view(n, s_len, -1)
+    scores = []
+    with torch.no_grad():
+      for step in range(s_len):
+        emb = model.markov_embed(prevs[step].to(spec.device))
+        scores.append(model.compute_confidence_logits(
+            hidden[:, step], emb).float().reshape(n).cpu())
+    scores = torch.stack(scores, 1)
+    below = torch.sigmoid(scores) < conf.threshold
+    keep = torch.cumprod((~below).long(), dim=1).bool()
+    out["tokens"] = torch.where(keep, tokens, -1)
+    out["confidence"] = scores
+    out["prefix"] = keep.sum(dim=1)
+  return out

@@ -20,6 +20,21 @@ columns and
    arithmetic, :func:`select_pass.draw_token`), so a step is one launch.
 
 NaN logits enter the statistics as -inf (never drawn) but are stored as they are.
+
+Reduced draft vocabulary (``columns`` given, int32 [Vd]): base, proj (and the
+xla_bias bias) have Vd columns / rows, the draft vocabulary, and the program
+stores draft column v of x at cache column ``columns[v]`` (a scatter store)
+of a cache as wide as the target vocabulary; the statistics index draft
+columns. Invariant: ``columns`` is strictly increasing (the sampler sorts a
+map that is not, permuting base and proj with it, before any kernel runs), so
+the draft columns are in target-id order and the select pass's inverse CDF
+and first argmax over them are those of the target row. The cache columns no
+draft column maps to are not this kernel's: kernels/fill_columns.py stores
+-inf there once a draft.
+
+``no_cache`` (greedy drafting): nothing is stored but the block max and the
+first-max index of x (no scale: every draw is greedy; no sum: only the
+argmax is needed), and no cache exists.
 """
 
 from __future__ import annotations
@@ -33,13 +48,15 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_markov.kernels.config import KernelConfig
 from jax_markov.kernels.named_call import named_call
-from jax_markov.kernels.select_pass import draw_token
+from jax_markov.kernels.select_pass import draw_token, greedy_token
 
 # The pallas_call's operands, in order: the inputs that are given, then all
 # the outputs ("tokens" and "counters" only with select="tail"). An output
 # updates the input of the same name in place when that input is given.
+# columns (the reduced draft vocabulary's map) comes last, so the other
+# operands keep their positions when it is absent.
 INPUTS = ("base", "embed", "proj", "anchors", "tokens", "bias", "step",
-          "params", "cache_rows", "cache", "counters")
+          "params", "cache_rows", "cache", "counters", "columns")
 OUTPUTS = ("cache", "block_max", "block_sum", "block_argmax", "tokens",
            "counters")
 ALIASED = ("cache", "tokens", "counters")
@@ -76,20 +93,23 @@ def block_statistics(x, v_mask, scale, v0):
 
 def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                        steps: int, vocab: int, rank: int, keep_blocks: int,
-                       precision):
+                       precision, no_cache: bool):
   fused = config.fused
   block_b, block_v, block_k = config.block_b, config.block_v, config.block_k
   bias_dot = config.bias_dot
-  base_ref, step_ref, params_ref = ins["base"], ins["step"], ins["params"]
+  base_ref, step_ref = ins["base"], ins["step"]
+  params_ref = ins.get("params")  # absent with no_cache
   # Absent: the dense layout (draw d writes cache row d).
   cache_rows_ref = ins.get("cache_rows")
   # Absent at step 0: the previous token is the anchor.
   tokens_ref = ins.get("tokens")
   # The cache is read back (tail select) through the output ref: with a cache
   # given, it is the same buffer as the input of that name.
-  cache_ref = outs["cache"]
-  bmax_ref, bsum_ref, barg_ref = (outs["block_max"], outs["block_sum"],
-                                  outs["block_argmax"])
+  cache_ref = outs.get("cache")  # absent with no_cache
+  bsum_ref = outs.get("block_sum")  # absent with no_cache
+  bmax_ref, barg_ref = outs["block_max"], outs["block_argmax"]
+  # Absent: draft column v is cache column v.
+  columns_ref = ins.get("columns")
 
   i = pl.program_id(0)
   j = pl.program_id(1)
@@ -184,6 +204,18 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     x = x + plgpu.load(ins["bias"].at[rows[:, None], cols], mask=tile_mask,
                        other=0)
 
+  if no_cache:
+    # Greedy drafting: the argmax of x (NaN as -inf) is all the select needs.
+    y = jnp.where(x == x, x, -jnp.inf)
+    y = jnp.where(v_mask[None, :], y, -jnp.inf)
+    plgpu.store(bmax_ref.at[b_idx, j], jnp.max(y, axis=1), mask=b_mask)
+    plgpu.store(barg_ref.at[b_idx, j],
+                jnp.argmax(y, axis=1).astype(jnp.int32) + v0, mask=b_mask)
+    if config.select == "tail":
+      _tail_select(ins, outs, config=config, steps=steps, vocab=vocab,
+                   no_cache=True)
+    return
+
   if cache_rows_ref is None:
     write = b_mask
     cache_rows = draw
@@ -194,7 +226,15 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # Rows not written point past the cache, never at a row another request
   # writes (the interpreter's scatter has no order between duplicates).
   cache_rows = jnp.where(write, cache_rows, cache_ref.shape[0])
-  plgpu.store(cache_ref.at[cache_rows[:, None], cols], x,
+  cache_cols = cols
+  if columns_ref is not None:
+    # The reduced draft vocabulary: draft column v goes to cache column
+    # columns[v]. Columns past Vd point past the cache (masked, and distinct
+    # from every column a draft column maps to).
+    mapped = plgpu.load(columns_ref.at[v0 + jnp.arange(block_v)],
+                        mask=v_mask, other=0)
+    cache_cols = jnp.where(v_mask, mapped, cache_ref.shape[1])[None, :]
+  plgpu.store(cache_ref.at[cache_rows[:, None], cache_cols], x,
               mask=write[:, None] & v_mask[None, :], eviction_policy=stream)
 
   scale = plgpu.load(params_ref.at[0, draw], mask=b_mask, other=1.0)
@@ -209,24 +249,38 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
 
   if config.select == "tail":
-    # The count is acq_rel at GPU scope: it releases this program's stores
-    # (cache before the block reductions' barrier, statistics by the counting
-    # thread), and the program that counts last acquires everyone's.
-    counter_ref = outs["counters"]
-    done = plgpu.atomic_add(counter_ref, i, jnp.ones((), jnp.int32))
+    _tail_select(ins, outs, config=config, steps=steps, vocab=vocab,
+                 no_cache=False)
 
-    @pl.when(done == pl.num_programs(1) - 1)
-    def _select_tail():
-      # block_b == 1 (KernelConfig checks it): request tile i is request i.
-      num_blocks = pl.cdiv(vocab, block_v)
-      d = i * steps + step_ref[0]
+
+def _tail_select(ins, outs, *, config: KernelConfig, steps: int, vocab: int,
+                 no_cache: bool):
+  """select="tail": the request tile's last program to finish draws."""
+  # The count is acq_rel at GPU scope: it releases this program's stores
+  # (cache before the block reductions' barrier, statistics by the counting
+  # thread), and the program that counts last acquires everyone's.
+  i = pl.program_id(0)
+  counter_ref = outs["counters"]
+  done = plgpu.atomic_add(counter_ref, i, jnp.ones((), jnp.int32))
+
+  @pl.when(done == pl.num_programs(1) - 1)
+  def _select_tail():
+    # block_b == 1 (KernelConfig checks it): request tile i is request i.
+    num_blocks = pl.cdiv(vocab, config.block_v)
+    d = i * steps + ins["step"][0]
+    statics = dict(num_blocks=num_blocks,
+                   blocks_pow2=pl.next_power_of_2(num_blocks), vocab=vocab,
+                   columns_ref=ins.get("columns"))
+    if no_cache:
+      outs["tokens"][d] = greedy_token(outs["block_max"],
+                                       outs["block_argmax"], i, **statics)
+    else:
       outs["tokens"][d] = draw_token(
-          bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref, cache_rows_ref,
-          i, d, num_blocks=num_blocks,
-          blocks_pow2=pl.next_power_of_2(num_blocks), block_v=block_v,
-          vocab=vocab)
-      # Every program of this tile has counted: the next step starts from 0.
-      counter_ref[i] = 0
+          outs["block_max"], outs["block_sum"], outs["block_argmax"],
+          outs["cache"], ins["params"], ins.get("cache_rows"), i, d,
+          block_v=config.block_v, **statics)
+    # Every program of this tile has counted: the next step starts from 0.
+    counter_ref[i] = 0
 
 
 def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
@@ -234,7 +288,10 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
                cache: jax.Array | None = None,
                tokens: jax.Array | None = None,
                counters: jax.Array | None = None, *, config: KernelConfig,
-               num_steps: int, num_cache_rows: int, interpret: bool = False):
+               num_steps: int, num_cache_rows: int,
+               columns: jax.Array | None = None,
+               cache_vocab: int | None = None, no_cache: bool = False,
+               interpret: bool = False):
   """Runs the block pass of one step.
 
   Draw (b, s) is flat index ``b * S + s`` of ``base``'s rows and of the
@@ -268,6 +325,18 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
       ``select="persistent"`` is :func:`draft_pass.draft_pass`, not this.
     num_steps: S (static).
     num_cache_rows: rows of the cache (static).
+    columns: int32 [Vd], the reduced draft vocabulary (V = Vd above: base
+      [B * S, Vd], proj [Vd, R], bias [B, Vd]): draft column v is stored at
+      cache column columns[v]. Must be strictly increasing (the sampler sorts
+      the map and permutes base and proj with it): the select pass relies on
+      draft order being cache order. Values in [0, cache_vocab); the columns
+      no draft column maps to are not written here
+      (:func:`fill_columns.fill_columns` stores -inf there). None: cache
+      column v is draft column v.
+    cache_vocab: the cache's width with columns (static); None: the cache's
+      width, or Vd when no cache is given.
+    no_cache: greedy drafting (static): no cache (cache, cache_rows and
+      params are None), no block sums; every draw is the argmax of x.
     interpret: run the kernel in the Pallas interpreter (CPU).
 
   Returns:
@@ -282,10 +351,14 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
   Operands of the pallas_call (the order a native runtime binds pointers
   in): the inputs that are given, in the order ``base, embed, proj, anchors,
   tokens`` (fused) or ``base, bias`` (xla_bias), then ``step, params,
-  cache_rows, cache, counters``; then the outputs ``cache, block_max,
-  block_sum, block_argmax`` and, with select="tail", ``tokens, counters``.
-  The outputs cache, tokens and counters alias the inputs of the same name
-  where those are given (see :data:`INPUTS`, :data:`OUTPUTS`).
+  cache_rows, cache, counters, columns``; then the outputs ``cache,
+  block_max, block_sum, block_argmax`` and, with select="tail", ``tokens,
+  counters``. The outputs cache, tokens and counters alias the inputs of the
+  same name where those are given (see :data:`INPUTS`, :data:`OUTPUTS`).
+  columns, the last input, comes after counters, so the positions of the
+  others are the same with it absent. With no_cache the inputs params,
+  cache_rows, cache and the outputs cache, block_sum are absent: the outputs
+  are ``block_max, block_argmax`` [, ``tokens, counters``].
   """
   if config.select == "persistent":
     raise ValueError("select='persistent' runs the whole draft as "
@@ -314,25 +387,46 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
                      "(and any other select none), got "
                      f"{None if counters is None else counters.shape} with "
                      f"select={config.select!r}")
+  if no_cache and any(x is not None for x in (params, cache_rows, cache)):
+    raise ValueError("no_cache=True takes no params, cache_rows or cache")
+  if not no_cache and params is None:
+    raise ValueError("the block pass needs params (unless no_cache=True)")
+  if columns is not None and columns.shape != (vocab,):
+    raise ValueError(f"columns must be int32 [{vocab}] (one per draft "
+                     f"column of base), got {columns.shape}")
+  if cache is not None:
+    if cache_vocab is not None and cache_vocab != cache.shape[1]:
+      raise ValueError(f"cache_vocab={cache_vocab} disagrees with the "
+                       f"cache's {cache.shape[1]} columns")
+    cache_vocab = cache.shape[1]
+  elif cache_vocab is None:
+    cache_vocab = vocab
+  if columns is None and cache_vocab != vocab:
+    raise ValueError(f"a cache of {cache_vocab} columns for {vocab} base "
+                     "columns needs columns (the draft-to-cache map)")
   keep_blocks = min(pl.cdiv(config.proj_l2_rows, config.block_v), num_blocks)
   precision = None
   if fused and proj.dtype == jnp.float32:
     precision = jax.lax.Precision.HIGHEST  # no tf32: keep float32 products
   given = dict(base=base, embed=embed, proj=proj, anchors=anchors,
                tokens=tokens, bias=bias, step=step, params=params,
-               cache_rows=cache_rows, cache=cache, counters=counters)
+               cache_rows=cache_rows, cache=cache, counters=counters,
+               columns=columns)
   outputs = dict(
-      cache=jax.ShapeDtypeStruct((num_cache_rows, vocab), jnp.float32),
+      cache=jax.ShapeDtypeStruct((num_cache_rows, cache_vocab), jnp.float32),
       block_max=jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),
       block_sum=jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),
       block_argmax=jax.ShapeDtypeStruct((batch, num_blocks), jnp.int32),
   )
+  if no_cache:
+    del outputs["cache"], outputs["block_sum"]
   if tail:
     outputs["tokens"] = jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32)
     outputs["counters"] = jax.ShapeDtypeStruct((num_tiles,), jnp.int32)
   kernel = functools.partial(
       _block_pass_kernel, config=config, batch=batch, steps=num_steps,
-      vocab=vocab, rank=rank, keep_blocks=keep_blocks, precision=precision)
+      vocab=vocab, rank=rank, keep_blocks=keep_blocks, precision=precision,
+      no_cache=no_cache)
   out = named_call(
       kernel, {name: given[name] for name in INPUTS}, outputs,
       aliased=ALIASED,

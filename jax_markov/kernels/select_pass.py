@@ -17,6 +17,20 @@ runs (``select="tail"``), so the two forms draw identically.
 Invariant: the token is always in [0, V) and its p_j > 0 whenever the row has a
 drawable token; float32 rounding that leaves u * Z past the last partial sum
 clamps to the last block / index with positive mass, never to a -inf logit.
+
+Reduced draft vocabulary (``columns`` given, int32 [Vd]): the block pass
+computed the Vd draft columns and stored draft column v at cache column
+``columns[v]``; the statistics index draft columns. The draw reads block k
+back from the mapped cache columns and returns ``columns[j]`` for the drawn
+draft column j (a target id). Invariant: ``columns`` is strictly increasing
+(the sampler sorts the map before any kernel runs), so draft-column order is
+target-id order: the inverse CDF over the draft columns is the inverse CDF
+over the target row (its unmapped columns are -inf, weight 0), and the
+lowest draft index of the max is the lowest target id of the max.
+
+With ``no_cache`` (greedy drafting, :func:`jax_markov.greedy_draft`) there is
+no cache, no block sums and no parameters: the token is the row's first
+argmax, from the block maxima and first-max indices alone.
 """
 
 from __future__ import annotations
@@ -33,36 +47,69 @@ from jax_markov.kernels.named_call import named_call
 
 # The pallas_call's operands, in order: the inputs that are given, then the
 # output, which updates the input tokens in place when that is given.
+# columns (the reduced draft vocabulary's map) comes last, so the order of the
+# other operands is the same with it absent.
 INPUTS = ("block_max", "block_sum", "block_argmax", "cache", "step", "params",
-          "cache_rows", "tokens")
+          "cache_rows", "tokens", "columns")
 OUTPUTS = ("tokens",)
+
+
+def _to_target(token, columns_ref, vocab: int):
+  """Clamps a draft column into [0, vocab) and maps it through columns."""
+  # In range whatever the logits: the next step looks the token up in embed.
+  token = jnp.clip(token, 0, vocab - 1)
+  return token if columns_ref is None else columns_ref[token]
+
+
+def _first_argmax(bmax_ref, barg_ref, b, *, num_blocks: int,
+                  blocks_pow2: int):
+  """(row max m, first (vocabulary) index of m) of request b's statistics."""
+  blk = jnp.arange(blocks_pow2)
+  bmax = plgpu.load(bmax_ref.at[b, pl.ds(0, blocks_pow2)],
+                    mask=blk < num_blocks, other=-jnp.inf)
+  m = jnp.max(bmax)
+  # The first block whose max is the row max (blocks are in vocabulary order,
+  # so its first-max index is the row's lowest index of the max).
+  first_max_block = jnp.min(jnp.where(bmax == m, blk, blocks_pow2))
+  first_max_block = jnp.minimum(first_max_block, num_blocks - 1)
+  return bmax, m, barg_ref[b, first_max_block]
+
+
+def greedy_token(bmax_ref, barg_ref, b, *, num_blocks: int, blocks_pow2: int,
+                 vocab: int, columns_ref=None):
+  """The argmax token of request b from block maxima and first-max indices.
+
+  What :func:`draw_token` draws for a greedy draw, reading no cache and no
+  sums (the no-cache variant of greedy drafting). Returns a target id when
+  columns_ref (increasing) is given, else an index in [0, vocab).
+  """
+  _, _, token = _first_argmax(bmax_ref, barg_ref, b, num_blocks=num_blocks,
+                              blocks_pow2=blocks_pow2)
+  return _to_target(token, columns_ref, vocab)
 
 
 def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
                cache_rows_ref, b, d, *, num_blocks: int, blocks_pow2: int,
-               block_v: int, vocab: int):
+               block_v: int, vocab: int, columns_ref=None):
   """The token of draw d (request b) from its block statistics and cache row.
 
   Shared by the select pass and the block pass's tail select (the block pass
   program that finishes a step last), so both draw with the same float32
   arithmetic. The refs are as the select pass takes them; cache_rows_ref is
-  None for the dense layout.
+  None for the dense layout. vocab is the number of (draft) columns the
+  statistics cover. columns_ref, int32 [vocab] strictly increasing, or None:
+  draft column v lives in cache column columns_ref[v], and the token
+  returned is columns_ref[j] for the drawn column j.
   """
   blk = jnp.arange(blocks_pow2)
   blk_mask = blk < num_blocks
-  bmax = plgpu.load(bmax_ref.at[b, pl.ds(0, blocks_pow2)], mask=blk_mask,
-                    other=-jnp.inf)
+  bmax, m, greedy_token = _first_argmax(bmax_ref, barg_ref, b,
+                                        num_blocks=num_blocks,
+                                        blocks_pow2=blocks_pow2)
   bsum = plgpu.load(bsum_ref.at[b, pl.ds(0, blocks_pow2)], mask=blk_mask,
                     other=0.0)
-  m = jnp.max(bmax)
   finite = (m > -jnp.inf) & (m < jnp.inf)
   greedy = (params_ref[1, d] != 0) | jnp.logical_not(finite)
-
-  # Greedy: the first block whose max is the row max (blocks are in vocabulary
-  # order, so its first-max index is the row's lowest index of the max).
-  first_max_block = jnp.min(jnp.where(bmax == m, blk, blocks_pow2))
-  first_max_block = jnp.minimum(first_max_block, num_blocks - 1)
-  greedy_token = barg_ref[b, first_max_block]
 
   # Inverse CDF, level 1: blocks. m is finite on this path; -inf blocks weigh 0.
   m_safe = jnp.where(finite, m, 0.0)
@@ -80,8 +127,15 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
   v_mask = v0 + col < vocab
   # Padding draws (row -1) are greedy: any row in range serves.
   row = d if cache_rows_ref is None else jnp.maximum(cache_rows_ref[d], 0)
-  x = plgpu.load(cache_ref.at[row, pl.ds(v0, block_v)], mask=v_mask,
-                 other=-jnp.inf)
+  if columns_ref is None:
+    x = plgpu.load(cache_ref.at[row, pl.ds(v0, block_v)], mask=v_mask,
+                   other=-jnp.inf)
+  else:
+    # The block's draft columns, gathered from their cache columns (an
+    # increasing map, so the block's cumsum runs in target-id order).
+    cache_cols = plgpu.load(columns_ref.at[v0 + col], mask=v_mask, other=0)
+    x = plgpu.load(cache_ref.at[jnp.full((block_v,), row), cache_cols],
+                   mask=v_mask, other=-jnp.inf)
   y = jnp.where(x == x, x, -jnp.inf) * params_ref[0, d]
   y = jnp.where(v_mask, y, -jnp.inf)
   p = jnp.exp(y - m_safe)
@@ -94,27 +148,36 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
                       barg_ref[b, k])
 
   token = jnp.where(greedy, greedy_token, sampled)
-  # In range whatever the logits: the next step looks the token up in embed.
-  return jnp.clip(token, 0, vocab - 1)
+  return _to_target(token, columns_ref, vocab)
 
 
 def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
-                        block_v: int, steps: int, vocab: int):
+                        block_v: int, steps: int, vocab: int, no_cache: bool):
   b = pl.program_id(0)
   d = b * steps + ins["step"][0]  # this draw's flat index in the [B * S] arrays
+  columns_ref = ins.get("columns")
   # Written through the output ref: with tokens given, the same buffer as the
   # input of that name, which the kernel does not read.
+  if no_cache:
+    outs["tokens"][d] = greedy_token(
+        ins["block_max"], ins["block_argmax"], b, num_blocks=num_blocks,
+        blocks_pow2=blocks_pow2, vocab=vocab, columns_ref=columns_ref)
+    return
   outs["tokens"][d] = draw_token(
       ins["block_max"], ins["block_sum"], ins["block_argmax"], ins["cache"],
       ins["params"], ins.get("cache_rows"), b, d, num_blocks=num_blocks,
-      blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab)
+      blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab,
+      columns_ref=columns_ref)
 
 
-def select_pass(block_max: jax.Array, block_sum: jax.Array,
-                block_argmax: jax.Array, cache: jax.Array, step: jax.Array,
-                params: jax.Array, cache_rows: jax.Array | None = None,
+def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
+                block_argmax: jax.Array, cache: jax.Array | None,
+                step: jax.Array, params: jax.Array | None,
+                cache_rows: jax.Array | None = None,
                 tokens: jax.Array | None = None, *, config: KernelConfig,
-                num_steps: int, interpret: bool = False):
+                num_steps: int, columns: jax.Array | None = None,
+                vocab: int | None = None, no_cache: bool = False,
+                interpret: bool = False):
   """Runs the select pass of one step.
 
   Args:
@@ -132,6 +195,18 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array,
     config: the launch configuration; the select pass reads block_v (the
       block pass's) and select_warps.
     num_steps: S (static).
+    columns: int32 [Vd], strictly increasing (the caller sorts the map; the
+      kernel relies on it for the draw order), the cache column of each
+      draft column: the reduced draft vocabulary. The statistics then cover
+      the Vd draft columns, the cache has its own (target) width, and the
+      token written is ``columns[j]`` for the drawn draft column j. None: the
+      statistics' columns are the cache's.
+    vocab: the columns the statistics cover (static): V, or Vd with columns;
+      None: ``cache.shape[1]``, or ``columns.shape[0]`` when columns is given.
+      Required with no_cache and no columns.
+    no_cache: greedy drafting (static): block_sum, cache, params and
+      cache_rows are None, and every draw is the argmax from the block maxima
+      and first-max indices (the block pass's no-cache variant).
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
@@ -139,19 +214,36 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array,
 
   Operands of the pallas_call (the order a native runtime binds pointers
   in): the inputs that are given, in the order ``block_max, block_sum,
-  block_argmax, cache, step, params, cache_rows, tokens``, then the output
-  ``tokens``, which aliases the input tokens where it is given (see
-  :data:`INPUTS`, :data:`OUTPUTS`).
+  block_argmax, cache, step, params, cache_rows, tokens, columns``, then the
+  output ``tokens``, which aliases the input tokens where it is given (see
+  :data:`INPUTS`, :data:`OUTPUTS`). columns comes last, so without it the
+  order is that of the plain select pass; with no_cache the inputs are
+  ``block_max, block_argmax, step, tokens, columns`` (those given).
   """
   batch, num_blocks = block_max.shape
-  vocab = cache.shape[1]
+  if no_cache != (cache is None) or (no_cache and any(
+      x is not None for x in (block_sum, params, cache_rows))):
+    raise ValueError("no_cache=True takes no block_sum, cache, params or "
+                     "cache_rows; no_cache=False needs block_sum, cache and "
+                     f"params (no_cache={no_cache})")
+  if vocab is None:
+    if columns is not None:
+      vocab = columns.shape[0]
+    elif cache is not None:
+      vocab = cache.shape[1]
+    else:
+      raise ValueError("select_pass with no_cache and no columns needs vocab")
+  if columns is not None and columns.shape != (vocab,):
+    raise ValueError(f"columns must be int32 [{vocab}] (one per draft "
+                     f"column), got {columns.shape}")
   kernel = functools.partial(
       _select_pass_kernel, num_blocks=num_blocks,
       blocks_pow2=pl.next_power_of_2(num_blocks), block_v=config.block_v,
-      steps=num_steps, vocab=vocab)
+      steps=num_steps, vocab=vocab, no_cache=no_cache)
   given = dict(block_max=block_max, block_sum=block_sum,
                block_argmax=block_argmax, cache=cache, step=step,
-               params=params, cache_rows=cache_rows, tokens=tokens)
+               params=params, cache_rows=cache_rows, tokens=tokens,
+               columns=columns)
   out = named_call(
       kernel, {name: given[name] for name in INPUTS},
       dict(tokens=jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32)),
