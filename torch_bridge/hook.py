@@ -72,8 +72,17 @@ class FusedMarkovSampler:
   (float32 [M, S, V], contiguous) with the pre-temperature float32 logits,
   the same tokens and rows as ``jm.sample_draft_into``; nothing else changes.
 
-  Calls are serialized by a lock (the scratch is shared); with the native
-  runtime a call on another stream than the previous call's waits for it.
+  Thread safety: one sampler may be called from several threads at once
+  (each with its own speculator); calls are serialized by a lock, as the
+  padded base-logits buffer, the import cache and the runtime's scratch are
+  shared. With the native runtime a call on another stream than the previous
+  call's waits for it.
+
+  Checks (docs/limitations.md, "torch_bridge: what is checked in each
+  mode"): layouts always, before anything is written; values only with
+  ``check_values=True`` outside capture. Unchecked bad values never write
+  out of bounds: state rows outside [0, M) are padding, negative or NaN
+  temperatures draw greedily, positions and anchors are clamped.
 
   Returns False without touching anything for configurations the hook does
   not cover (logged once each), so the engine runs its own path.
@@ -105,7 +114,8 @@ class FusedMarkovSampler:
         and M); see :func:`torch_bridge.buckets.normalize_buckets`.
       check_values: also verify the values of the index buffers on every
         call (state rows in range and distinct within a step, positions in
-        [1, 2**31], temperatures >= 0, anchors in the vocabulary). Costs a
+        [1, 2**31], temperatures >= 0 and not NaN at the rows in use, anchors
+        in the vocabulary), after the layout of what it reads. Costs a
         device-to-host copy and sync per call, and is skipped under capture.
       on_capture: the jax runtime under torch CUDA graph capture: "raise"
         (default) or "fallback" (return False, so the engine captures its
@@ -215,9 +225,11 @@ class FusedMarkovSampler:
       hook does not cover.
 
     Raises:
-      BridgeInputError: a spec attribute has the wrong type, dtype, device,
-        shape, layout (or, with check_values, value); the message names it.
-        Nothing has been written.
+      BridgeInputError: ``num_reqs`` is not an int in range, or a spec
+        attribute has the wrong type, dtype, device, shape, layout (or, with
+        check_values, value), or a written buffer is an inference tensor
+        outside inference mode; the message names it. Nothing has been
+        written.
       RuntimeError: the jax runtime called during torch CUDA graph capture
         (on_capture="raise").
     """
