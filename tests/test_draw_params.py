@@ -29,6 +29,8 @@ def test_params_follow_the_contract(wide):
     idx[b * s:(b + 1) * s] = r
   idx[1] = -1          # one padding step
   idx[4] = m           # out of range: padding
+  if wide:
+    idx[7] = 2**32 + 1  # its low word is a valid row: still padding
   pos = np.full(m * s, -1, np.int64)
   pos[:batch * s] = rng.integers(1, 2**31, batch * s)
   if wide:
@@ -36,6 +38,8 @@ def test_params_follow_the_contract(wide):
     pos[5] = 2**40      # out of range: clamped to key 2**31 - 1, not wrapped
   ids = rng.integers(0, 50, 20)
   aidx = np.array([0, 5, -1, 7, 0, 0])
+  if wide:
+    aidx[1] = 2**32 + 5  # saturates (clamped to the last id), never wraps
   layout = ParamsLayout(idx_wide=wide, pos_wide=wide, seeds_wide=wide,
                         ids_wide=wide, anchor_idx_wide=wide)
   params, rows, anchors = draw_params(
@@ -51,6 +55,7 @@ def test_params_follow_the_contract(wide):
       d = b * s + step
       r = idx[d]
       valid = b < n and 0 <= r < m
+      r = r if valid else 0
       assert rows[d] == (r * s + step if valid else -1), d
       t = temp[r] if valid else 0.0
       scale, greedy = jm.reference.draw_params(jnp.asarray([t], jnp.float32))
@@ -60,5 +65,5 @@ def test_params_follow_the_contract(wide):
         key = min(max(int(pos[d]), 1), 2**31) - 1
         u = jm.draft_uniforms(seeds[r:r + 1], np.array([[key]]))
         assert params[2, d] == np.asarray(u)[0, 0], d
-  want = [min(int(ids[a]), 39) for a in (0, 5, 19)] + [0]  # b >= n: 0
+  want = [min(int(ids[a]), 39) for a in (0, 19 if wide else 5, 19)] + [0]
   np.testing.assert_array_equal(anchors, want)

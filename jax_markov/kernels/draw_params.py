@@ -102,17 +102,25 @@ def _reciprocal(t, *, interpret: bool):
   return r
 
 
-def _low(ref, i, mask, wide: bool):
-  """Element i of an int32 buffer, or the low word of an int64 one."""
+def _word(ref, i, mask, wide: bool):
+  """The low word of element i (an int64 buffer), or element i (int32)."""
   return plgpu.load(ref.at[i * 2 if wide else i], mask=mask, other=0)
 
 
-def _high_is_sign(ref, i, low, mask, wide: bool):
-  """Whether an int64 element fits in int32 (its high word is low's sign)."""
+def _low(ref, i, mask, wide: bool):
+  """Element i of an int32 buffer, or of an int64 one saturated to int32.
+
+  An int64 value outside the int32 range saturates to int32's min or max,
+  never cut to its low word (which would alias a valid row, index or token):
+  a state row then counts as padding, an anchor index or token is clamped.
+  """
+  lo = _word(ref, i, mask, wide)
   if not wide:
-    return jnp.ones_like(mask)
+    return lo
   hi = plgpu.load(ref.at[i * 2 + 1], mask=mask, other=0)
-  return hi == jnp.where(low < 0, -1, 0)
+  info = jnp.iinfo(jnp.int32)
+  fits = hi == jnp.where(lo < 0, -1, 0)
+  return jnp.where(fits, lo, jnp.where(hi < 0, info.min, info.max))
 
 
 def _draw_params_kernel(idx_ref, pos_ref, temperature_ref, seeds_ref, ids_ref,
@@ -127,8 +135,7 @@ def _draw_params_kernel(idx_ref, pos_ref, temperature_ref, seeds_ref, ids_ref,
   d = b * steps + s  # flat draw index, request-major
 
   idx = _low(idx_ref, d, s_mask, layout.idx_wide)
-  valid = (live & s_mask & (idx >= 0) & (idx < num_rows)
-           & _high_is_sign(idx_ref, d, idx, s_mask, layout.idx_wide))
+  valid = live & s_mask & (idx >= 0) & (idx < num_rows)
   row = jnp.where(valid, idx, 0)
 
   t = plgpu.load(temperature_ref.at[row], mask=s_mask,
@@ -150,7 +157,7 @@ def _draw_params_kernel(idx_ref, pos_ref, temperature_ref, seeds_ref, ids_ref,
   # The key is pos - 1, an int32 >= 0 by contract: pos in [1, 2**31]. A
   # position outside (unreadable in a captured graph) is clamped into that
   # range, never wrapped onto another position's uniform.
-  pos = _low(pos_ref, d, s_mask, layout.pos_wide)
+  pos = _word(pos_ref, d, s_mask, layout.pos_wide)
   int_min = jnp.iinfo(jnp.int32).min
   if layout.pos_wide:
     pos_hi = plgpu.load(pos_ref.at[d * 2 + 1], mask=s_mask, other=0)
