@@ -45,6 +45,11 @@ class Shape:
     S: draft steps.
     dtype: dtype name of base logits and weights ("bfloat16", "float16",
       "float32").
+    Vd: a reduced draft vocabulary (EAGLE-style d2t), or None. Then base
+      logits are [B, S, Vd] and proj [Vd, R] (draft ids), embed [V, R]
+      (target ids), draft id j is target id ``draft_targets(shape)[j]`` (a
+      sorted random subset of the target ids, fixed seed: vLLM's d2t gives an
+      increasing map), and the cache and tokens are over the target V.
   """
   name: str
   label: str
@@ -52,17 +57,30 @@ class Shape:
   R: int
   S: int
   dtype: str = "bfloat16"
+  Vd: int | None = None
+
+  @property
+  def draft_vocab(self) -> int:
+    """The base logits' (and proj's) vocabulary: Vd, or V without a map."""
+    return self.V if self.Vd is None else self.Vd
 
 
 SHAPES = {
     "dsv4": Shape("dsv4", "DeepSeek-V4", V=129280, R=256, S=7),
+    # DeepSeek-V4 with a reduced draft vocabulary (vLLM's d2t mode).
+    "dsv4r": Shape("dsv4r", "DeepSeek-V4, reduced draft vocabulary",
+                   V=129280, R=256, S=7, Vd=32768),
     "v200k": Shape("v200k", "200k vocabulary", V=200064, R=256, S=7),
     "v152k": Shape("v152k", "152k vocabulary", V=151936, R=256, S=7),
     "small": Shape("small", "small", V=32000, R=64, S=4),
     # Not in the defaults: for tests and smoke runs on CPU.
     "tiny": Shape("tiny", "tiny", V=1000, R=16, S=3),
+    "tinyr": Shape("tinyr", "tiny, reduced draft vocabulary", V=96, R=8, S=3,
+                   Vd=40),
 }
-DEFAULT_SHAPES = ("dsv4", "v200k", "v152k", "small")
+DEFAULT_SHAPES = ("dsv4", "dsv4r", "v200k", "v152k", "small")
+# The greedy rows (tokens only) run on these shapes unless --impls names them.
+GREEDY_DEFAULT_SHAPES = ("dsv4", "dsv4r")
 DEFAULT_BATCHES = (1, 4, 16, 64, 256)
 DEFAULT_TEMPERATURES = (0.0, 1.0)
 
@@ -80,6 +98,10 @@ FAMILIES = {
     "vllm_loop_graph": "torch",
     "torch_bridge": "bridge",
     "torch_bridge_graph": "bridge",
+    # Greedy drafting: tokens only, no cache (temperature irrelevant).
+    "jax_markov_greedy": "jax",
+    "torch_bridge_greedy": "bridge",
+    "torch_bridge_greedy_graph": "bridge",
     # Not in the defaults: jax_markov forced to method="xla_bias", the
     # reference design's bias GEMM in XLA then the block pass, for issue
     # comparisons.
@@ -87,8 +109,14 @@ FAMILIES = {
 }
 IMPLS = ("jax_markov", "torch_bridge", "torch_bridge_graph", "seed_design",
          "seed_design_graph", "f32_bias_design", "f32_bias_design_graph",
-         "vllm_loop", "vllm_loop_graph", "plain_jax")
-ALL_IMPLS = IMPLS + ("jax_markov_xla_bias",)
+         "vllm_loop", "vllm_loop_graph", "plain_jax", "jax_markov_greedy",
+         "torch_bridge_greedy_graph")
+# torch_bridge_greedy (eager) is not in the defaults: the CPU tests' path to
+# the greedy hook (a CUDA graph needs a GPU).
+ALL_IMPLS = IMPLS + ("torch_bridge_greedy", "jax_markov_xla_bias")
+# Tokens only (no cache): timed once, at temperature 0, in their own table.
+GREEDY_IMPLS = ("jax_markov_greedy", "torch_bridge_greedy",
+                "torch_bridge_greedy_graph")
 # The baseline every speed claim is made against (report ratios, README).
 BASELINE_IMPL = "seed_design_graph"
 # Families run in this order; the first one's temperature-0 tokens are the
@@ -104,16 +132,19 @@ L2_FLUSH_BYTES = 2 * 50 * 2**20
 MAX_INPUT_SETS = 8
 
 
-def floor_bytes(shape: Shape, batch: int) -> int:
+def floor_bytes(shape: Shape, batch: int, cache: bool = True) -> int:
   """Bytes one S-step draft must move at the least.
 
-  proj [V, R] read once a step, base logits [B, S, V] read once, and the
-  float32 logit cache [B, S, V] written once. The embedding rows (B * S * R
-  elements) and the tokens are negligible and not counted.
+  proj [Vd, R] read once a step, base logits [B, S, Vd] read once, and the
+  float32 logit cache [B, S, V] written once (not with ``cache=False``: the
+  greedy rows write tokens only). Vd = V without a reduced vocabulary. The
+  embedding rows (B * S * R elements) and the tokens are negligible and not
+  counted.
   """
   isz = ITEMSIZE[shape.dtype]
-  return (shape.S * shape.V * shape.R * isz + batch * shape.S * shape.V * isz
-          + batch * shape.S * shape.V * 4)
+  vd = shape.draft_vocab
+  return (shape.S * vd * shape.R * isz + batch * shape.S * vd * isz
+          + (batch * shape.S * shape.V * 4 if cache else 0))
 
 
 def input_set_bytes(shape: Shape, batch: int) -> int:
@@ -122,8 +153,31 @@ def input_set_bytes(shape: Shape, batch: int) -> int:
   The embedding table is left out: a draft touches only B * S of its rows.
   """
   isz = ITEMSIZE[shape.dtype]
-  return (shape.V * shape.R * isz + batch * shape.S * shape.V * isz
+  vd = shape.draft_vocab
+  return (vd * shape.R * isz + batch * shape.S * vd * isz
           + batch * shape.S * shape.V * 4)
+
+
+# The seed of the reduced vocabulary's map (see draft_targets).
+MAP_SEED = 19
+_MAP_CACHE = {}
+
+
+def draft_targets(shape: Shape):
+  """NumPy int64 [Vd]: the target id of each draft id, or None without Vd.
+
+  A sorted random subset of [0, V) from a fixed seed: the same in every
+  process, and increasing, as vLLM's d2t (``j + d2t[j]``) gives it.
+  """
+  if shape.Vd is None:
+    return None
+  key = (shape.V, shape.Vd)
+  if key not in _MAP_CACHE:
+    import numpy as np
+    ids = np.random.default_rng(MAP_SEED).choice(shape.V, shape.Vd,
+                                                 replace=False)
+    _MAP_CACHE[key] = np.sort(ids).astype(np.int64)
+  return _MAP_CACHE[key].copy()
 
 
 def num_input_sets(shape: Shape, batch: int) -> int:
@@ -336,32 +390,37 @@ def torch_inputs(shape: Shape, batch: int, set_index: int, device):
   """Synthetic inputs as torch tensors on ``device``.
 
   Returns:
-    dict with base [B, S, V] (shape.dtype), embed [V, R] and proj [V, R]
-    (shape.dtype), anchors int64 [B].
+    dict with base [B, S, Vd] (shape.dtype), embed [V, R] and proj [Vd, R]
+    (shape.dtype), anchors int64 [B] (target ids), and with a reduced
+    vocabulary ``targets`` int64 [Vd] (:func:`draft_targets`); Vd = V
+    without one.
   """
   import torch
   dtype = getattr(torch, shape.dtype)
-  V, R, S = shape.V, shape.R, shape.S
+  V, R, S, Vd = shape.V, shape.R, shape.S, shape.draft_vocab
 
   def idx(start, n):
     return torch.arange(start, start + n, dtype=torch.int32, device=device)
 
-  row = S * V
-  base = torch.empty((batch, S, V), dtype=dtype, device=device)
+  row = S * Vd
+  base = torch.empty((batch, S, Vd), dtype=dtype, device=device)
   chunk = max(1, (64 << 20) // row)  # rows per chunk: bounded temporaries
   off = stream_offset(STREAM_BASE, set_index)
   for b0 in range(0, batch, chunk):
     b1 = min(batch, b0 + chunk)
     n = base_numerators(idx(b0 * row, (b1 - b0) * row), off)
-    values = (n.to(torch.float32) * BASE_SCALE).view(b1 - b0, S, V)
+    values = (n.to(torch.float32) * BASE_SCALE).view(b1 - b0, S, Vd)
     base[b0:b1] = values.to(dtype)
   embed = ternary(idx(0, V * R), stream_offset(STREAM_EMBED, set_index))
   embed = embed.to(torch.float32).view(V, R).to(dtype)
-  proj = ternary(idx(0, V * R), stream_offset(STREAM_PROJ, set_index))
-  proj = (proj.to(torch.float32) * PROJ_SCALE).view(V, R).to(dtype)
+  proj = ternary(idx(0, Vd * R), stream_offset(STREAM_PROJ, set_index))
+  proj = (proj.to(torch.float32) * PROJ_SCALE).view(Vd, R).to(dtype)
   anchors = token_ids(idx(0, batch), stream_offset(STREAM_ANCHOR, set_index), V)
-  return dict(base=base, embed=embed, proj=proj,
-              anchors=anchors.to(torch.int64))
+  out = dict(base=base, embed=embed, proj=proj,
+             anchors=anchors.to(torch.int64))
+  if shape.Vd is not None:
+    out["targets"] = torch.from_numpy(draft_targets(shape)).to(device)
+  return out
 
 
 _JAX_GEN_CACHE = {}
@@ -413,31 +472,36 @@ def jax_inputs(shape: Shape, batch: int, set_index: int):
   """The same synthetic inputs as :func:`torch_inputs`, as JAX arrays.
 
   Returns:
-    dict with base [B, S, V], embed [V, R], proj [V, R] (shape.dtype) and
-    anchors int32 [B], on JAX's default device.
+    dict with base [B, S, Vd], embed [V, R], proj [Vd, R] (shape.dtype) and
+    anchors int32 [B], on JAX's default device; with a reduced vocabulary
+    also ``targets``, the NumPy int64 map [Vd] (:func:`draft_targets`).
   """
   import jax
   import jax.numpy as jnp
   key = (shape, batch)
   if key not in _JAX_GEN_CACHE:
     dtype = jnp.dtype(shape.dtype)
-    V, R, S = shape.V, shape.R, shape.S
+    V, R, S, Vd = shape.V, shape.R, shape.S, shape.draft_vocab
 
     @jax.jit
     def gen(offsets):
       # offsets: int32 [4], one per stream; traced so one compile per shape.
-      bi = jnp.arange(batch * S * V, dtype=jnp.int32)
+      bi = jnp.arange(batch * S * Vd, dtype=jnp.int32)
       wi = jnp.arange(V * R, dtype=jnp.int32)
+      pi = jnp.arange(Vd * R, dtype=jnp.int32)
       base = (base_numerators(bi, offsets[0]).astype(jnp.float32)
-              * BASE_SCALE).astype(dtype).reshape(batch, S, V)
+              * BASE_SCALE).astype(dtype).reshape(batch, S, Vd)
       embed = ternary(wi, offsets[1]).astype(jnp.float32).astype(dtype)
-      proj = (ternary(wi, offsets[2]).astype(jnp.float32)
+      proj = (ternary(pi, offsets[2]).astype(jnp.float32)
               * PROJ_SCALE).astype(dtype)
       anchors = token_ids(jnp.arange(batch, dtype=jnp.int32), offsets[3], V)
-      return base, embed.reshape(V, R), proj.reshape(V, R), anchors
+      return base, embed.reshape(V, R), proj.reshape(Vd, R), anchors
     _JAX_GEN_CACHE[key] = gen
   streams = (STREAM_BASE, STREAM_EMBED, STREAM_PROJ, STREAM_ANCHOR)
   offsets = jnp.asarray([stream_offset(s, set_index) for s in streams],
                         dtype=jnp.int32)
   base, embed, proj, anchors = _JAX_GEN_CACHE[key](offsets)
-  return dict(base=base, embed=embed, proj=proj, anchors=anchors)
+  out = dict(base=base, embed=embed, proj=proj, anchors=anchors)
+  if shape.Vd is not None:
+    out["targets"] = draft_targets(shape)
+  return out

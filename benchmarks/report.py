@@ -15,11 +15,16 @@ import json
 import os
 import sys
 
-from benchmarks.common import ALL_IMPLS, BASELINE_IMPL, SHAPES
+from benchmarks.common import ALL_IMPLS, BASELINE_IMPL, GREEDY_IMPLS, SHAPES
 
 # Every ratio (and every speed claim) is against vLLM's sampler as it is,
 # captured in a CUDA graph.
 REF_IMPL = BASELINE_IMPL
+# With a reduced draft vocabulary there is no seed design: vLLM runs its
+# unfused loop, the baseline there (ratio ``x loop``).
+LOOP_IMPL = "vllm_loop_graph"
+NO_SEED = ("n/a (vLLM's fused sampler does not cover this mode; vllm_loop is "
+           "the baseline)")
 
 INTRO = """\
 What is timed: the whole S-step draft from given base logits (the backbone
@@ -54,6 +59,12 @@ DESCRIPTIONS = {
                  "jit",
     "jax_markov_xla_bias": "jax_markov with `method=\"xla_bias\"`: XLA "
                             "bias GEMM, then the Pallas block pass",
+    "jax_markov_greedy": "`jm.greedy_draft`: greedy drafting, tokens only "
+                         "(no cache)",
+    "torch_bridge_greedy": "the hook in greedy mode (`spec.draft_logits = "
+                           "None`: tokens only), eager",
+    "torch_bridge_greedy_graph": "the hook in greedy mode, captured in a "
+                                 "CUDA graph",
 }
 
 METHOD = """\
@@ -89,10 +100,22 @@ def _groups(rows):
       yield shape, temp, [r for r in sub if r["temperature"] == temp]
 
 
+def _reduced(rows) -> bool:
+  """Whether the rows are of a reduced-draft-vocabulary shape."""
+  return any(r.get("Vd") for r in rows)
+
+
 def _shape_title(shape, rows):
   r = rows[0]
   label = SHAPES[shape].label if shape in SHAPES else shape
-  return f"{label} (V={r['V']}, R={r['R']}, S={r['S']}, {r['dtype']})"
+  vd = f", Vd={r['Vd']}" if r.get("Vd") else ""
+  return f"{label} (V={r['V']}{vd}, R={r['R']}, S={r['S']}, {r['dtype']})"
+
+
+def _split(rows):
+  """(the sampling rows, the greedy rows: tokens only, their own table)."""
+  return ([r for r in rows if r["impl"] not in GREEDY_IMPLS],
+          [r for r in rows if r["impl"] in GREEDY_IMPLS])
 
 
 def _impls(rows):
@@ -101,16 +124,23 @@ def _impls(rows):
 
 
 def _table(rows):
-  """Markdown table of one (shape, temperature): batch x impl."""
+  """Markdown table of one (shape, temperature): batch x impl.
+
+  Ratios: over the floor, and over seed_design_graph (``x seed``); on a
+  reduced-vocabulary shape, where there is no seed design, over
+  vllm_loop_graph (``x loop``).
+  """
   impls = _impls(rows)
   batches = sorted({r["batch"] for r in rows})
   cell = {(r["batch"], r["impl"]): r for r in rows}
+  ref_impl, ref_tag = ((LOOP_IMPL, "loop") if _reduced(rows)
+                       else (REF_IMPL, "seed"))
   lines = ["| B | floor ms | " + " | ".join(impls) + " |",
            "| ---: | ---: | " + " | ".join("---:" for _ in impls) + " |"]
   for b in batches:
     any_row = next(r for r in rows if r["batch"] == b)
     floor = any_row.get("floor_ms")
-    ref = cell.get((b, REF_IMPL))
+    ref = cell.get((b, ref_impl))
     cells = []
     for impl in impls:
       r = cell.get((b, impl))
@@ -122,7 +152,7 @@ def _table(rows):
       if floor:
         parts.append(f"{ms / floor:.2f}x fl")
       if ref is not None:
-        parts.append(f"{ms / ref['median_ms']:.2f}x seed")
+        parts.append(f"{ms / ref['median_ms']:.2f}x {ref_tag}")
       txt = f"{ms:.3f}" + (f" ({', '.join(parts)})" if parts else "")
       if r.get("tokens_match") is False:
         txt += " **tokens differ**"
@@ -148,9 +178,84 @@ def _host_table(rows) -> str:
   return "\n".join(lines)
 
 
+def _greedy_table(rows, all_rows) -> str:
+  """Markdown table of the greedy rows: (shape, batch) x impl, and the
+  baseline: seed_design_graph at T = 0 (vllm_loop_graph at T = 0 on a
+  reduced-vocabulary shape, where x seed is n/a)."""
+  impls = _impls(rows)
+  base_rows = {(r["shape"], r["batch"], r["impl"]): r for r in all_rows
+               if r["temperature"] == 0.0
+               and r["impl"] in (REF_IMPL, LOOP_IMPL)}
+  lines = ["| shape | B | floor ms (no cache) | " + " | ".join(impls)
+           + " | baseline at T = 0 (writes the cache) |",
+           "| --- | ---: | ---: | " + " | ".join("---:" for _ in impls)
+           + " | ---: |"]
+  cell = {(r["shape"], r["batch"], r["impl"]): r for r in rows}
+  keys = []
+  for r in rows:
+    if (r["shape"], r["batch"]) not in keys:
+      keys.append((r["shape"], r["batch"]))
+  keys.sort(key=lambda k: (list(SHAPES).index(k[0]) if k[0] in SHAPES
+                           else 99, k[1]))
+  for shape, b in keys:
+    reduced = _reduced([r for r in rows if r["shape"] == shape])
+    ref_impl, tag = (LOOP_IMPL, "loop") if reduced else (REF_IMPL, "seed")
+    ref = base_rows.get((shape, b, ref_impl))
+    floor = next(r for r in rows if r["shape"] == shape
+                 and r["batch"] == b).get("floor_ms")
+    cells = []
+    for impl in impls:
+      r = cell.get((shape, b, impl))
+      if r is None:
+        cells.append("")
+        continue
+      ms = r["median_ms"]
+      parts = [f"{ms / floor:.2f}x fl"] if floor else []
+      if ref is not None:
+        parts.append(f"{ms / ref['median_ms']:.2f}x {tag}")
+      txt = f"{ms:.3f}" + (f" ({', '.join(parts)})" if parts else "")
+      if r.get("tokens_match") is False:
+        txt += " **tokens differ**"
+      cells.append(txt)
+    ref_txt = (f"{ref_impl} {ref['median_ms']:.3f}" if ref is not None
+               else "x seed: " + NO_SEED if reduced else "")
+    label = SHAPES[shape].name if shape in SHAPES else shape
+    lines.append(f"| {label} | {b} | "
+                 + (f"{floor:.3f}" if floor else "n/a") + " | "
+                 + " | ".join(cells) + f" | {ref_txt} |")
+  return "\n".join(lines)
+
+
+GREEDY_CAPTION = """\
+Tokens only: the greedy rows draw the temperature-0 argmax chain and write no
+logit cache (the floor counts proj and base only); temperature does not enter
+them, so they are timed once. The baseline column is {ref} at temperature 0,
+which also writes the float32 cache [B, S, V] (`x seed`); on a
+reduced-vocabulary shape it is {loop} at temperature 0 (`x loop`), the cache
+written too, and `x seed` is {no_seed}.
+""".format(ref=REF_IMPL, loop=LOOP_IMPL, no_seed=NO_SEED)
+
+
 def text_summary(rows) -> str:
-  """A plain-text table per (shape, temperature): batch x impl, median ms."""
+  """A plain-text table per (shape, temperature): batch x impl, median ms
+  (the greedy rows in one table of their own)."""
   out = []
+  rows, greedy = _split(rows)
+  if greedy:
+    out.append("greedy drafting (tokens only, no cache), T irrelevant: "
+               "median ms")
+    for shape in dict.fromkeys(r["shape"] for r in greedy):
+      sub = [r for r in greedy if r["shape"] == shape]
+      impls = _impls(sub)
+      out.append(f"{_shape_title(shape, sub)}")
+      out.append(f"{'B':>5} " + " ".join(f"{i:>{max(10, len(i))}}"
+                                         for i in impls))
+      cell = {(r["batch"], r["impl"]): r for r in sub}
+      for b in sorted({r["batch"] for r in sub}):
+        out.append(f"{b:>5} " + " ".join(
+            f"{cell[(b, i)]['median_ms']:>{max(10, len(i))}.4f}"
+            if (b, i) in cell else " " * max(10, len(i)) for i in impls))
+    out.append("")
   for shape, temp, sub in _groups(rows):
     impls = _impls(sub)
     out.append(f"{_shape_title(shape, sub)}, T={temp:g}: median ms")
@@ -262,14 +367,25 @@ def markdown(rows, json_name: str, png_name: str | None = None) -> str:
        "not in these rows: ratios to it are to be measured."),
       "",
   ]
+  all_rows = rows
+  rows, greedy = _split(rows)
   for shape, temp, sub in _groups(rows):
-    lines += [f"## {_shape_title(shape, sub)}, temperature {temp:g}", "",
-              _table(sub), ""]
+    lines += [f"## {_shape_title(shape, sub)}, temperature {temp:g}", ""]
+    if _reduced(sub):
+      lines += [f"A reduced draft vocabulary (vLLM's d2t mode): `x seed` is "
+                f"{NO_SEED}; the ratio is over {LOOP_IMPL} (`x loop`).", ""]
+    lines += [_table(sub), ""]
     host = _host_table(sub)
     if host:
       lines += ["Host time of one eager call (perf_counter around the call, "
                 "no synchronize; median us):", "", host, ""]
+  if greedy:
+    lines += ["## Greedy drafting (tokens only, no cache)", "",
+              GREEDY_CAPTION, _greedy_table(greedy, all_rows), ""]
+  rows = all_rows
   notes = sorted({f"{r['impl']}: {r['note']}" for r in rows if r.get("note")})
+  notes += sorted({f"{r['impl']} timed: {r['timed']}" for r in rows
+                   if r.get("timed") and r["timed"].startswith("jax_markov.")})
 
   gemm = sorted({r["bias_gemm"] for r in rows if r.get("bias_gemm")})
   if gemm:

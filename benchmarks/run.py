@@ -20,6 +20,20 @@ backbone forward is not timed) for each implementation:
   vllm_loop_graph         the same captured in a CUDA graph
   plain_jax               jnp ops + jax.random.categorical in lax.scan, jit
 
+Greedy drafting (tokens only, no cache; timed once, at temperature 0, and by
+default only on dsv4 and dsv4r):
+
+  jax_markov_greedy          jm.greedy_draft
+  torch_bridge_greedy        the hook with spec.draft_logits = None, eager
+                             (not in the defaults: the CPU tests' path)
+  torch_bridge_greedy_graph  the same captured in a CUDA graph
+
+A shape with a reduced draft vocabulary (Vd, e.g. dsv4r) runs jax_markov(_greedy)
+with draft_to_target, the hook on a speculator double in vLLM's d2t mode
+(its vocab_size Vd) and vllm_loop(_graph) over the Vd draft ids (vLLM runs
+its unfused loop in this mode); seed_design, f32_bias_design and plain_jax
+have no reduced-vocabulary form and are skipped there with a notice.
+
 For torch_bridge and seed_design the row also has ``host_ms``: the host time
 of one eager call (perf_counter around the call, no synchronize, the queue
 drained before each call), median.
@@ -61,8 +75,8 @@ import time
 import traceback
 
 from benchmarks import common
-from benchmarks.common import (ALL_IMPLS, FAMILIES, FAMILY_ORDER, IMPLS,
-                               SHAPES, Progress)
+from benchmarks.common import (ALL_IMPLS, FAMILIES, FAMILY_ORDER,
+                               GREEDY_IMPLS, IMPLS, SHAPES, Progress)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Without a GPU (interpret-mode Pallas, eager torch on CPU) larger shapes
@@ -88,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
                  help="comma-separated temperatures (default: 0,1)")
   p.add_argument("--impls", default=None,
                  help="comma-separated of " + ",".join(ALL_IMPLS) +
-                 " (default: all but jax_markov_xla_bias)")
+                 " (default: all but jax_markov_xla_bias and "
+                 "torch_bridge_greedy; the greedy ones only on " +
+                 ",".join(common.GREEDY_DEFAULT_SHAPES) + " unless named)")
   p.add_argument("--repeats", type=int, default=None,
                  help="timed calls per point (default 100; 10 with --quick)")
   p.add_argument("--group", type=int, default=5,
@@ -158,6 +174,9 @@ def _parent_main(args) -> int:
       warmup=min(args.warmup, 2) if quick else args.warmup,
       warmup_s=0.0 if quick else args.warmup_s,
       group=args.group, start_time=start,
+      # Greedy impls from the defaults run only on these shapes.
+      greedy_shapes=(None if args.impls is not None
+                     else list(common.GREEDY_DEFAULT_SHAPES)),
       deadline=start + args.budget_s if args.budget_s else None)
   impls = common.parse_list(args.impls, IMPLS)
   bad = ([s for s in plan["shapes"] if s not in SHAPES]
@@ -243,7 +262,8 @@ def _write_rows(args, merged, progress):
   for row in merged["rows"]:
     row["device"] = device
     shape = SHAPES[row["shape"]]
-    row["floor_bytes"] = common.floor_bytes(shape, row["batch"])
+    row["floor_bytes"] = common.floor_bytes(
+        shape, row["batch"], cache=row["impl"] not in GREEDY_IMPLS)
     row["copy_bw_gbs"] = bw
     row["floor_ms"] = (row["floor_bytes"] / (bw * 1e9) * 1e3) if bw else None
   out = args.out or os.path.join(
@@ -375,8 +395,12 @@ def _run_family(cfg, runner, result, progress):
     progress(f"copy bandwidth {bw / 1e3:.3f} TB/s")
     result.save()
   temps = cfg["temperatures"]
+  greedy_shapes = cfg.get("greedy_shapes")
   for shape_name in cfg["shapes"]:
     shape = SHAPES[shape_name]
+    impls = [i for i in cfg["impls"]
+             if i not in GREEDY_IMPLS or greedy_shapes is None
+             or shape_name in greedy_shapes]
     if not runner.is_gpu and shape.V > CPU_MAX_VOCAB:
       result.notice(f"shape {shape.name} skipped: no GPU, and on CPU only "
                     f"shapes with V <= {CPU_MAX_VOCAB} run", progress)
@@ -395,7 +419,7 @@ def _run_family(cfg, runner, result, progress):
       key = f"{shape.name}|{batch}"
       # 1. The temperature-0 tokens of every impl, before any timing.
       prepared, match = {}, {}
-      for impl in cfg["impls"]:
+      for impl in impls:
         try:
           prep = runner.prepare(impl, shape, batch, 0.0)
           tokens = prep.tokens()
@@ -406,19 +430,23 @@ def _run_family(cfg, runner, result, progress):
           _failed(result, progress, impl, key, 0.0)
           continue
         match[impl] = _check_tokens(result, key, impl, tokens, progress)
-        if 0.0 in temps:
+        if 0.0 in temps or impl in GREEDY_IMPLS:
           prepared[impl] = prep
       # 2. Timing.
-      for temp in temps:
-        for impl in cfg["impls"]:
+      for temp_k, temp in enumerate(temps):
+        for impl in impls:
           if impl not in match:
             continue
-          prep = prepared.pop(impl, None) if temp == 0.0 else None
+          greedy = impl in GREEDY_IMPLS
+          if greedy and temp_k:
+            continue  # tokens only: timed once, as temperature 0
+          prep = (prepared.pop(impl, None) if temp == 0.0 or greedy
+                  else None)
           try:
             if prep is None:
               prep = runner.prepare(impl, shape, batch, temp)
             sampled = None
-            if temp > 0 and runner.same_rng(impl, key):
+            if temp > 0 and not greedy and runner.same_rng(impl, key):
               # Same RNG contract (uniforms from seeds and positions): the
               # sampled tokens are comparable too; a difference is reported,
               # not fatal (float32 rounding of the CDF may differ at a
@@ -435,14 +463,18 @@ def _run_family(cfg, runner, result, progress):
           timed = groups * max(1, min(cfg["group"], cfg["repeats"]))
           row = dict(impl=impl, shape=shape.name, V=shape.V, R=shape.R,
                      S=shape.S, dtype=shape.dtype, batch=batch,
-                     temperature=temp, median_ms=ms, floor_ms=None,
+                     temperature=0.0 if greedy else temp, median_ms=ms,
+                     floor_ms=None,
                      device=result.data["device"], tokens_match=match[impl],
                      sampled_match=sampled,
                      n_input_sets=len(prep.calls), repeats=timed,
                      **prep.meta)
+          if shape.Vd is not None:
+            row["Vd"] = shape.Vd
           result.data["rows"].append(row)
           result.save()
-          progress(f"{shape.name} B={batch:<3d} T={temp:g} {impl:<24s} "
+          progress(f"{shape.name} B={batch:<3d} "
+                   f"T={'-' if greedy else f'{temp:g}'} {impl:<25s} "
                    f"{ms:9.4f} ms")
           del prep
           runner.release()
@@ -573,6 +605,13 @@ class _TorchFamily:
       raise _Skip("CUDA graphs need a GPU")
     temperature = torch.full((batch,), temp, dtype=torch.float32,
                              device=self.device)
+    if shape.Vd is not None and impl.startswith("seed_design"):
+      raise _Skip(f"no reduced-vocabulary form on {shape.name}: vLLM's fused "
+                  "sampler does not cover this mode (it declines a d2t "
+                  "map); vllm_loop is the baseline there")
+    if shape.Vd is not None and impl.startswith("f32_bias_design"):
+      raise _Skip(f"no reduced-vocabulary form on {shape.name} (a variant "
+                  "of vLLM's fused sampler, which declines this mode)")
     if impl.startswith(("seed_design", "f32_bias_design")):
       if self.triton_error:
         raise _Skip(f"triton is not importable ({self.triton_error})")
@@ -594,9 +633,16 @@ class _TorchFamily:
     else:
       from benchmarks.baselines.vllm_loop import VllmLoopSampler
       samplers = [VllmLoopSampler(d["embed"], d["proj"], d["base"],
-                                  d["anchors"], temperature, temp == 0.0)
+                                  d["anchors"], temperature, temp == 0.0,
+                                  targets=d.get("targets"),
+                                  target_vocab=shape.V)
                   for d in self.sets]
       meta = {}
+      if shape.Vd is not None:
+        meta["note"] = ("vLLM's unfused loop in its d2t mode: draft logits "
+                        "scattered into a -inf target row of the cache, "
+                        "argmax / Gumbel-max over the Vd draft logits, token "
+                        "mapped to its target id")
     if graph:
       calls = [s.capture().replay for s in samplers]
     else:
@@ -708,10 +754,18 @@ class _JaxFamily:
     import numpy as np
     import jax.numpy as jnp
     temperature = jnp.full((batch,), temp, jnp.float32)
+    if impl == "jax_markov_greedy" or (impl == "jax_markov"
+                                       and shape.Vd is not None):
+      if self.jm_error:
+        raise _Skip(f"jax_markov is not available ({self.jm_error})")
+      return self._prepare_mapped(impl == "jax_markov_greedy", shape, batch,
+                                  temperature)
     if impl.startswith("jax_markov"):
       if self.jm_error:
         raise _Skip(f"jax_markov.sample_draft is not available "
                     f"({self.jm_error})")
+      if shape.Vd is not None:
+        raise _Skip(f"{impl} has no reduced-vocabulary form here")
       jm = self.jm
       kwargs, meta = _jm_kwargs(jm.sample_draft, shape, batch)
       if impl == "jax_markov_xla_bias":
@@ -725,6 +779,8 @@ class _JaxFamily:
           for d, h in zip(self.sets, heads)]
       tok = lambda out: out.tokens  # noqa: E731
     else:
+      if shape.Vd is not None:
+        raise _Skip(f"no reduced-vocabulary form on {shape.name}")
       from benchmarks.baselines import plain_jax
       key = self.jax.random.PRNGKey(0)
       calls = [
@@ -737,6 +793,74 @@ class _JaxFamily:
 
     def tokens():
       return np.asarray(tok(calls[0]())).tolist()
+    return _Prepared(calls, tokens, meta)
+
+  def _prepare_mapped(self, greedy, shape, batch, temperature):
+    """jax_markov with a reduced vocabulary (jm.sample_draft with
+    draft_to_target, target_vocab=V) or greedy (jm.greedy_draft, either
+    vocabulary).
+
+    The tokens come from the public call. With a map, the timed calls are the
+    jitted draft behind it with the map checked once (increasing, so
+    permute=False) and on the device: the public call re-checks a NumPy map
+    on the host every call (np.unique over Vd ids, ~1.5 ms at Vd = 32768 on
+    a 2-core host) and re-uploads it, and a device map with
+    check_values=False is sorted (with a copy of base and proj) inside every
+    call; a serving loop holds its map fixed, as the hook does (it checks
+    d2t once per identity). The row's ``timed`` field says which ran.
+    """
+    import numpy as np
+    import jax.numpy as jnp
+    jm = self.jm
+    fn = jm.greedy_draft if greedy else jm.sample_draft
+    kwargs, meta = _jm_kwargs(fn, shape, batch)
+    targets = self.sets[0].get("targets")
+    heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in self.sets]
+    if greedy:
+      public = [(lambda d=d, h=h: fn(d["base"], d["anchors"], h, **kwargs,
+                                     **({} if targets is None else dict(
+                                         draft_to_target=targets,
+                                         target_vocab=shape.V))))
+                for d, h in zip(self.sets, heads)]
+    else:
+      public = [(lambda d=d, h=h: fn(d["base"], d["anchors"], h, temperature,
+                                     self.words, self.positions, **kwargs,
+                                     draft_to_target=targets,
+                                     target_vocab=shape.V))
+                for d, h in zip(self.sets, heads)]
+    calls, meta["timed"] = public, fn.__name__
+    sampler = getattr(jm, "sampler", None)
+    inner = getattr(sampler, "_greedy_draft" if greedy else "_sample_draft",
+                    None)
+    if targets is not None and inner is not None:
+      assert (np.diff(targets) > 0).all()
+      d2t = jnp.asarray(targets)
+      interpret = not self.is_gpu
+      cfg = sampler._config(None, None, batch, shape.draft_vocab,
+                            shape.R, interpret)
+      if greedy:
+        calls = [(lambda d=d, h=h: inner(
+            d["base"], d["anchors"], h, config=cfg, interpret=interpret,
+            draft_to_target=d2t, permute=False))
+                 for d, h in zip(self.sets, heads)]
+      else:
+        calls = [(lambda d=d, h=h: inner(
+            d["base"], d["anchors"], h, temperature, self.words,
+            self.positions, config=cfg, interpret=interpret,
+            draft_to_target=d2t, permute=False, target_vocab=shape.V))
+                 for d, h in zip(self.sets, heads)]
+      name = getattr(inner, "__name__", "the inner draft")
+      meta["timed"] = (f"jax_markov.sampler.{name} (the jitted "
+                       f"draft behind jm.{fn.__name__}, map checked once)")
+    tok = (lambda out: out) if greedy else (lambda out: out.tokens)  # noqa: E731
+
+    def tokens():
+      want = np.asarray(tok(public[0]())).tolist()
+      got = np.asarray(tok(calls[0]())).tolist()
+      if got != want:
+        raise RuntimeError("the timed call's tokens differ from the public "
+                           f"jm.{fn.__name__}'s")
+      return got
     return _Prepared(calls, tokens, meta)
 
   def time(self, prep, repeats, group, warmup, warmup_s):
@@ -765,7 +889,7 @@ def _jm_kwargs(fn, shape, batch, method=None):
   try:
     import jax
     from jax_markov.kernels import tuning
-    cfg = tuning.choose(method, batch, shape.V, shape.R,
+    cfg = tuning.choose(method, batch, shape.draft_vocab, shape.R,
                         interpret=jax.default_backend() != "gpu")
     meta["config"] = str(cfg)
     meta["method"] = cfg.method
@@ -823,17 +947,21 @@ class _BridgeFamily(_TorchFamily):
     temperature = torch.full((batch,), temp, dtype=torch.float32,
                              device=self.device)
     seeds, positions = common.seeds_and_positions(batch, shape.S)
-    graph = impl == "torch_bridge_graph"
+    graph = impl.endswith("_graph")
+    greedy = impl in GREEDY_IMPLS
     if graph and not self.is_gpu:
       raise _Skip("CUDA graphs need a GPU")
+    if (greedy or shape.Vd is not None) and self.bridge_error:
+      raise _Skip("torch_bridge.FusedMarkovSampler not usable "
+                  f"({self.bridge_error}); no DLPack fallback for this mode")
     if self.bridge_error is None:
       try:
         return self._prepare_bridge(shape, batch, temperature, seeds,
-                                    positions, graph)
+                                    positions, graph, greedy)
       except _Skip:
         raise
       except Exception as e:  # noqa: BLE001 -- fall back, say why
-        if graph:
+        if graph or greedy or shape.Vd is not None:
           raise
         self.bridge_error = f"{type(e).__name__}: {e}"
     if graph:
@@ -849,21 +977,30 @@ class _BridgeFamily(_TorchFamily):
     """The hook with the default runtime; its constructor before the
     runtime argument existed is accepted too (then the row says so)."""
     try:
-      return self.FusedMarkovSampler(batch, shape.V, shape.R, dtype,
-                                     runtime=None, check_values=False)
+      return self.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
+                                     dtype, runtime=None, check_values=False)
     except TypeError as e:
       if "runtime" not in str(e):
         raise
-      return self.FusedMarkovSampler(batch, shape.V, shape.R, dtype,
-                                     check_values=False)
+      return self.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
+                                     dtype, check_values=False)
 
   def _prepare_bridge(self, shape, batch, temperature, seeds, positions,
-                      graph):
+                      graph, greedy=False):
     torch = self.torch
     dtype = getattr(torch, shape.dtype)
+    # A reduced vocabulary: the double in vLLM's d2t mode over the synthetic
+    # tensors (speculator_from_tensors' draft_to_target; add_modes would
+    # replace the weights by random ones); greedy: spec.draft_logits = None.
+    mode_kw = {}
+    if shape.Vd is not None:
+      mode_kw["draft_to_target"] = self.sets[0]["targets"]
+    if greedy:
+      mode_kw["greedy"] = True
     specs = [self.speculator_from_tensors(d["base"], d["embed"], d["proj"],
                                           d["anchors"], temperature, seeds,
-                                          positions) for d in self.sets]
+                                          positions, **mode_kw)
+             for d in self.sets]
     samplers = [self._make_sampler(shape, batch, dtype) for _ in specs]
     runtime = getattr(samplers[0], "runtime", "jax (no runtime attribute)")
     if graph and runtime != "native":
@@ -888,6 +1025,7 @@ class _BridgeFamily(_TorchFamily):
                 else "wall_clock",
                 note="torch_bridge.FusedMarkovSampler on "
                 "torch_bridge.testing.speculator_from_tensors"
+                + (" (greedy: draft_logits None)" if greedy else "")
                 + (", captured in a CUDA graph" if graph else ""))
 
     def tokens():

@@ -428,3 +428,152 @@ def test_bridge_rows_double_matches_the_reference(temperature):
   want_tokens, want_logits = _reference(j, temperature, B)
   np.testing.assert_array_equal(spec.draft_tokens.numpy(), want_tokens)
   np.testing.assert_array_equal(spec.draft_logits.values.numpy(), want_logits)
+
+
+# ---------------------------------------------------------------------------
+# The reduced draft vocabulary (dsv4r; tinyr on CPU) and the greedy rows.
+
+TINYR = common.SHAPES["tinyr"]
+
+
+def test_reduced_shape_inputs_and_map():
+  torch = _torch()
+  assert common.SHAPES["dsv4r"].V == 129280 and common.SHAPES["dsv4r"].Vd == 32768
+  m = common.draft_targets(common.SHAPES["dsv4r"])
+  assert m.shape == (32768,) and (np.diff(m) > 0).all()
+  assert m[0] >= 0 and m[-1] < 129280
+  t = common.torch_inputs(TINYR, 3, 0, "cpu")
+  j = common.jax_inputs(TINYR, 3, 0)
+  assert tuple(t["base"].shape) == (3, TINYR.S, 40)
+  assert tuple(t["proj"].shape) == (40, TINYR.R)
+  assert tuple(t["embed"].shape) == (96, TINYR.R)
+  for name in ("base", "embed", "proj"):
+    np.testing.assert_array_equal(t[name].float().numpy(),
+                                  np.asarray(j[name], np.float32))
+  np.testing.assert_array_equal(t["targets"].numpy(), j["targets"])
+  # No cache for the greedy rows; Vd columns of base and proj, V of cache.
+  isz = 2
+  assert common.floor_bytes(TINYR, 2) == (3 * 40 * 8 * isz + 2 * 3 * 40 * isz
+                                          + 2 * 3 * 96 * 4)
+  assert common.floor_bytes(TINYR, 2, cache=False) == (3 * 40 * 8 * isz
+                                                       + 2 * 3 * 40 * isz)
+
+
+def _reduced_reference(j, temperature, batch, shape=TINYR):
+  seeds, positions = common.seeds_and_positions(batch, shape.S)
+  tokens, logits = reference.sample_draft(
+      j["base"], j["anchors"], MarkovHead(j["embed"], j["proj"]),
+      jnp.full((batch,), temperature, jnp.float32), seeds, positions,
+      draft_to_target=j["targets"], target_vocab=shape.V)
+  return np.asarray(tokens), np.asarray(logits)
+
+
+def test_vllm_loop_reduced_vocabulary_on_cpu():
+  torch = _torch()
+  from benchmarks.baselines.vllm_loop import VllmLoopSampler
+  B = 4
+  t = common.torch_inputs(TINYR, B, 0, "cpu")
+  j = common.jax_inputs(TINYR, B, 0)
+  smp = VllmLoopSampler(t["embed"], t["proj"], t["base"], t["anchors"],
+                        torch.zeros((B,)), True, targets=t["targets"],
+                        target_vocab=TINYR.V)
+  smp.run_steps()
+  want_tokens, want_logits = _reduced_reference(j, 0.0, B)
+  np.testing.assert_array_equal(smp.tokens.numpy(), want_tokens)
+  np.testing.assert_array_equal(smp.cache.numpy(), want_logits)
+  smp = VllmLoopSampler(t["embed"], t["proj"], t["base"], t["anchors"],
+                        torch.ones((B,)), False, targets=t["targets"])
+  smp.run_steps()
+  assert set(smp.tokens.reshape(-1).tolist()) <= set(t["targets"].tolist())
+
+
+@pytest.mark.parametrize("greedy", [False, True])
+@pytest.mark.parametrize("shape", [TINYR, TINY], ids=["tinyr", "tiny"])
+def test_bridge_modes_double_matches_the_torch_loop(shape, greedy):
+  """The rows' double in the reduced-vocabulary / greedy modes: the hook
+  (jax runtime on CPU) draws the tokens of torch_dspark_loop (vLLM's loop in
+  plain torch) and of jm at temperature 0."""
+  torch = _torch()
+  import jax_markov as jm
+  from torch_bridge import FusedMarkovSampler
+  from torch_bridge.testing import speculator_from_tensors, torch_dspark_loop
+  B = 3
+  t = common.torch_inputs(shape, B, 0, "cpu")
+  j = common.jax_inputs(shape, B, 0)
+  seeds, positions = common.seeds_and_positions(B, shape.S)
+  spec = speculator_from_tensors(
+      t["base"], t["embed"], t["proj"], t["anchors"], torch.zeros((B,)),
+      seeds, positions, draft_to_target=t.get("targets"), greedy=greedy)
+  sampler = FusedMarkovSampler(B, shape.draft_vocab, shape.R, torch.bfloat16,
+                               check_values=True)
+  assert sampler(spec, B, spec.head_hidden)
+  want = torch_dspark_loop(spec, B, spec.head_hidden)
+  np.testing.assert_array_equal(spec.draft_tokens.numpy(),
+                                want["tokens"].numpy())
+  head = MarkovHead(j["embed"], j["proj"])
+  kw = ({} if shape.Vd is None else
+        dict(draft_to_target=j["targets"], target_vocab=shape.V))
+  jm_tokens = np.asarray(jm.greedy_draft(j["base"], j["anchors"], head, **kw))
+  np.testing.assert_array_equal(spec.draft_tokens.numpy(), jm_tokens)
+  if greedy:
+    assert spec.draft_logits is None
+  else:
+    np.testing.assert_array_equal(spec.draft_logits.values.numpy(),
+                                  want["logits"].numpy())
+
+
+def test_bench_reduced_and_greedy_rows_smoke(tmp_path, monkeypatch):
+  """The new rows' code paths through the harness on CPU: every impl's
+  temperature-0 tokens agree (the harness checks them against jax_markov's),
+  seed_design is skipped on the reduced shape, the greedy rows are timed
+  once, and the report says x seed is n/a there."""
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  out = tmp_path / "res.json"
+  rc = run.main(["--quick", "--shapes", "tinyr,tiny", "--batches", "2",
+                 "--impls", "jax_markov,jax_markov_greedy,seed_design,"
+                 "vllm_loop,torch_bridge,torch_bridge_greedy,"
+                 "torch_bridge_greedy_graph", "--repeats", "2",
+                 "--out", str(out), "--report",
+                 "--docs-dir", str(tmp_path / "docs")])
+  assert rc == 0
+  rows = json.loads(out.read_text())
+  got = {(r["impl"], r["shape"], r["temperature"]) for r in rows}
+  for shape in ("tinyr", "tiny"):
+    for impl in ("jax_markov", "vllm_loop", "torch_bridge"):
+      assert {(impl, shape, 0.0), (impl, shape, 1.0)} <= got
+    for impl in ("jax_markov_greedy", "torch_bridge_greedy"):
+      assert [r["temperature"] for r in rows
+              if r["impl"] == impl and r["shape"] == shape] == [0.0]
+  assert not any(r["impl"] == "seed_design" and r["shape"] == "tinyr"
+                 for r in rows)
+  assert all(r["tokens_match"] for r in rows)
+  assert all(r.get("Vd") == 40 for r in rows if r["shape"] == "tinyr")
+  greedy = [r for r in rows if r["impl"] == "jax_markov_greedy"]
+  assert all(r["floor_bytes"] == common.floor_bytes(
+      common.SHAPES[r["shape"]], 2, cache=False) for r in greedy)
+  md = (tmp_path / "docs" / "benchmarks.md").read_text()
+  assert "Vd=40" in md and "## Greedy drafting (tokens only, no cache)" in md
+  assert report.NO_SEED in md
+  assert "n/a (vLLM's fused sampler does not cover this mode; vllm_loop is " \
+      "the baseline)" in report.NO_SEED
+
+
+def test_default_greedy_rows_only_on_dsv4_shapes():
+  assert set(common.GREEDY_DEFAULT_SHAPES) == {"dsv4", "dsv4r"}
+  assert {"jax_markov_greedy", "torch_bridge_greedy_graph"} <= set(common.IMPLS)
+  assert "torch_bridge_greedy" not in common.IMPLS
+  assert "dsv4r" in common.SHAPES and "tinyr" not in common.DEFAULT_SHAPES
+
+
+def test_greedy_impls_skip_other_shapes_from_the_defaults(tmp_path):
+  result = run._Result(str(tmp_path / "r.json"), {})
+  cfg = dict(measure_bandwidth=False, temperatures=[0.0, 1.0],
+             shapes=["tiny", "tinyr"], batches=[1],
+             impls=["good", "jax_markov_greedy"], repeats=2, group=1,
+             warmup=1, warmup_s=0.0, greedy_shapes=["tinyr"])
+  run._run_family(cfg, _FakeRunner(), result, lambda msg: None)
+  got = sorted((r["impl"], r["shape"], r["temperature"])
+               for r in result.data["rows"])
+  assert got == sorted([("good", "tiny", 0.0), ("good", "tiny", 1.0),
+                        ("good", "tinyr", 0.0), ("good", "tinyr", 1.0),
+                        ("jax_markov_greedy", "tinyr", 0.0)])

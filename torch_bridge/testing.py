@@ -308,15 +308,28 @@ class _FixedRows(nn.Module):
 
 
 def speculator_from_tensors(base, embed, proj, anchors, temperature, seeds,
-                            positions) -> SpeculatorDouble:
+                            positions, *, draft_to_target=None,
+                            greedy: bool = False) -> SpeculatorDouble:
   """A :class:`SpeculatorDouble` with M = B that reads the given tensors.
 
+  (:func:`add_modes` cannot turn this double into the reduced-vocabulary
+  mode: it replaces the LM head and markov_w2 by random ones. The keywords
+  below set the modes over the given tensors instead, as add_modes sets
+  them.)
+
   Args:
-    base: [B, S, V] base logits (the model dtype), on the device.
-    embed: [V_in, R] markov_w1 weight; proj: [V, R] markov_w2 weight.
+    base: [B, S, V] base logits (the model dtype), on the device ([B, S, Vd]
+      with draft_to_target).
+    embed: [V_in, R] markov_w1 weight; proj: [V, R] markov_w2 weight ([Vd, R]
+      with draft_to_target).
     anchors: int [B], request b's anchor token.
     temperature: float [B]; seeds: int64 [B] (tensor or array), per request.
     positions: int [B, S], what draw (b, s) is keyed by (sample_pos - 1).
+    draft_to_target: None, or int [Vd]: a reduced draft vocabulary, draft id
+      j being target id draft_to_target[j]; the target vocabulary is V_in
+      (the cache [B, S, V_in]), ``model.draft_id_to_target_id`` = d2t =
+      draft_to_target - arange(Vd), as vLLM holds it.
+    greedy: ``spec.draft_logits = None`` (greedy drafting, tokens only).
 
   Returns:
     The double, with request b on state row b, sample_indices = arange(B * S),
@@ -327,14 +340,31 @@ def speculator_from_tensors(base, embed, proj, anchors, temperature, seeds,
   B, S, V = base.shape
   v_in, rank = embed.shape
   dev = base.device
+  vd = V
+  if draft_to_target is not None:
+    V = v_in  # the target vocabulary: the cache's width
   spec = SpeculatorDouble(max_num_reqs=B, num_steps=S, vocab=V, v_in=v_in,
                           rank=rank, hidden=8, dtype=base.dtype, device=dev)
   head = spec.model.model.markov_head
+  spec.draft_vocab = vd
+  if draft_to_target is not None:
+    with dev:
+      w2 = nn.Linear(rank, vd, bias=False)
+    head.markov_w2 = w2.to(base.dtype)
+    model = spec.model
+    targets = torch.as_tensor(draft_to_target, device=dev).to(torch.int64)
+    model.draft_id_to_target_id = targets - torch.arange(vd, device=dev)
+    model.map_draft_to_target = (
+        lambda ids: ids + model.draft_id_to_target_id[ids])
+  else:
+    spec.model.map_draft_to_target = lambda ids: ids
+  if greedy:
+    spec.draft_logits = None
   with torch.no_grad():
     head.markov_w1.weight.copy_(embed)
     head.markov_w2.weight.copy_(proj)
   spec.model.requires_grad_(False)
-  spec.model.lm_head = _FixedRows(base.reshape(B * S, V))
+  spec.model.lm_head = _FixedRows(base.reshape(B * S, vd))
   spec.sample_indices.copy_(torch.arange(B * S, device=dev))
   spec.sample_idx_mapping.copy_(
       torch.arange(B, device=dev).repeat_interleave(S)

@@ -6,6 +6,14 @@ bias.float()``, the logits written to the float32 cache, then a Gumbel-max
 draw ``argmax(logits / T - log(-log(u)))`` with u from ``torch.rand`` (the
 argmax of the logits at temperature 0), and ``prev`` becomes the token.
 
+With a reduced draft vocabulary (``targets``, vLLM's d2t mode, where vLLM
+runs this unfused loop: its fused sampler declines the mode) base and proj
+are over the Vd draft ids and embed over the target ids: the step's Vd
+logits go to their target columns of the cache row, every other column of
+which is set to -inf (``fill_`` + ``index_copy_``), the draw is over the Vd
+draft logits (the -inf columns can never win, so the same draw) and the
+token is mapped to its target id (``targets[j]``) before it indexes embed.
+
 Every op is a separate kernel with its own round trip through memory; that is
 the point of this baseline. All tensors it writes outside the loop (cache,
 tokens) are allocated once, so a CUDA graph can replay it.
@@ -28,14 +36,24 @@ class VllmLoopSampler:
     temperature: float32 [B], all > 0 unless ``greedy``.
     greedy: True draws the argmax at every step (temperature 0). One flag for
       the whole batch: a captured graph cannot branch per call.
+    targets: None, or int [Vd]: a reduced draft vocabulary (base [B, S, Vd],
+      proj [Vd, R]), draft id j being target id targets[j] (increasing).
+    target_vocab: the cache's width V with ``targets`` (default: embed's
+      rows).
 
   Attributes:
     cache: float32 [B, S, V], the pre-temperature logits of each step.
-    tokens: int64 [B, S], the drawn tokens.
+    tokens: int64 [B, S], the drawn tokens (target ids).
   """
 
-  def __init__(self, embed, proj, base, anchors, temperature, greedy: bool):
+  def __init__(self, embed, proj, base, anchors, temperature, greedy: bool,
+               targets=None, target_vocab=None):
     B, S, V = base.shape
+    self.targets = None
+    if targets is not None:
+      self.targets = torch.as_tensor(targets, device=base.device).to(
+          torch.int64)
+      V = embed.shape[0] if target_vocab is None else target_vocab
     self.embed, self.proj, self.base = embed, proj, base
     self.anchors = anchors.to(torch.int64)
     self.temperature = temperature.to(torch.float32).view(B, 1)
@@ -51,13 +69,20 @@ class VllmLoopSampler:
       emb = F.embedding(prev, self.embed)
       bias = F.linear(emb, self.proj)
       logits = self.base[:, s].float() + bias.float()
-      self.cache[:, s] = logits
+      if self.targets is None:
+        self.cache[:, s] = logits
+      else:
+        row = self.cache[:, s]
+        row.fill_(-torch.inf)
+        row.index_copy_(1, self.targets, logits)
       if self.greedy:
         tok = torch.argmax(logits, dim=-1)
       else:
         u = torch.rand_like(logits)
         gumbel = -torch.log(-torch.log(u))
         tok = torch.argmax(logits / self.temperature + gumbel, dim=-1)
+      if self.targets is not None:
+        tok = self.targets[tok]
       self.tokens[:, s] = tok
       prev = tok
 
