@@ -321,21 +321,19 @@ def _greedy_draft(base, anchor_tokens, head, *, config, interpret,
   return tokens
 
 
-def _map_statics(draft_to_target, config, check_values: bool):
+def _map_statics(draft_to_target, config, increasing: bool | None):
   """(draft_to_target as an array or None, permute) for the jitted calls.
 
-  permute is False only where the map is concrete and strictly increasing
-  (then base and proj go to the kernels as they are); a traced map, or a
-  device array with check_values off, is sorted inside the call.
+  permute is False only where the map is known strictly increasing (then
+  base and proj go to the kernels as they are); a traced map, or a NumPy map
+  with check_values off, is sorted inside the call.
   """
   if draft_to_target is None:
     return None, False
   if config.select == "persistent":
     raise ValueError("draft_to_target is not supported with "
                      "select='persistent'; use select='pass' or 'tail'")
-  d2t = validate._concrete(draft_to_target, check_values)
-  permute = d2t is None or not bool((np.diff(d2t.astype(np.int64)) > 0).all())
-  return _as_array(draft_to_target), permute
+  return _as_array(draft_to_target), not increasing
 
 
 def _config(config, method, batch, vocab, rank, interpret):
@@ -412,10 +410,10 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
   if draft_to_target is not None:
     if target_vocab is None:
       target_vocab = validate._shape(head.embed)[0]
-    validate.check_draft_to_target(draft_to_target, V, target_vocab,
-                                   validate._shape(head.embed)[0],
-                                   check_values=check_values)
-    d2t, permute = _map_statics(draft_to_target, config, check_values)
+    increasing = validate.check_draft_to_target(
+        draft_to_target, V, target_vocab, validate._shape(head.embed)[0],
+        check_values=check_values)
+    d2t, permute = _map_statics(draft_to_target, config, increasing)
     map_kw = dict(draft_to_target=d2t, permute=permute,
                   target_vocab=int(target_vocab))
   elif target_vocab is not None:
@@ -472,9 +470,9 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
   if draft_to_target is not None:
     cache_shape = validate._shape(cache)
     cache_vocab = cache_shape[2] if len(cache_shape) == 3 else V
-    validate.check_draft_to_target(draft_to_target, V, cache_vocab,
-                                   validate._shape(head.embed)[0],
-                                   check_values=check_values)
+    increasing = validate.check_draft_to_target(
+        draft_to_target, V, cache_vocab, validate._shape(head.embed)[0],
+        check_values=check_values)
   N = validate.check_cache(cache, idx_map, B, S, cache_vocab,
                            check_values=check_values)
   validate.check_temperature(temperature, N, "N", check_values=check_values)
@@ -483,7 +481,7 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
   config = _config(config, method, B, V, head.rank, interpret)
   map_kw = {}
   if draft_to_target is not None:
-    d2t, permute = _map_statics(draft_to_target, config, check_values)
+    d2t, permute = _map_statics(draft_to_target, config, increasing)
     map_kw = dict(draft_to_target=d2t, permute=permute)
   fn = _sample_draft_into_donated if donate else _sample_draft_into
   return fn(_as_array(cache), _as_array(base_logits),
@@ -536,10 +534,10 @@ def greedy_draft(base_logits, anchor_tokens, head: MarkovHead, *,
   if draft_to_target is not None:
     if target_vocab is None:
       target_vocab = validate._shape(head.embed)[0]
-    validate.check_draft_to_target(draft_to_target, V, target_vocab,
-                                   validate._shape(head.embed)[0],
-                                   check_values=check_values)
-    d2t, permute = _map_statics(draft_to_target, config, check_values)
+    increasing = validate.check_draft_to_target(
+        draft_to_target, V, target_vocab, validate._shape(head.embed)[0],
+        check_values=check_values)
+    d2t, permute = _map_statics(draft_to_target, config, increasing)
     map_kw = dict(draft_to_target=d2t, permute=permute)
   elif target_vocab is not None:
     raise ValueError("target_vocab is for draft_to_target (a reduced draft "

@@ -113,14 +113,29 @@ def test_shuffled_map_is_the_sorted_map_permuted():
 
 
 def test_map_on_device_without_value_checks():
-  """A device map with check_values=False is not read: it is sorted in the
-  call (a no-op permutation here), with the same result."""
-  args = _problem(3)
+  """A device map is read and checked once per array object (it is
+  immutable), also with check_values=False, so a serving loop neither
+  re-checks nor re-sorts it; a traced map is sorted inside the call. All
+  give the NumPy map's result."""
+  from jax_markov import validate  # pylint: disable=g-import-not-at-top
+  args = _problem(3, shuffled=True)
   want = jm.sample_draft(*args[:-1], draft_to_target=args[-1], config=CONFIG)
-  got = jm.sample_draft(*args[:-1], draft_to_target=jnp.asarray(args[-1]),
+  device_map = jnp.asarray(args[-1])
+  got = jm.sample_draft(*args[:-1], draft_to_target=device_map,
                         config=CONFIG, check_values=False)
+  assert id(device_map) in validate._MAP_FACTS  # pylint: disable=protected-access
+  assert validate._MAP_FACTS[id(device_map)][2] is False  # pylint: disable=protected-access
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_array_equal(got.logits, want.logits)
+  traced = jax.jit(lambda m: jm.sample_draft(
+      *args[:-1], draft_to_target=m, config=CONFIG, check_values=False))(
+          device_map)
+  np.testing.assert_array_equal(traced.tokens, want.tokens)
+  np.testing.assert_array_equal(traced.logits, want.logits)
+  bad = jnp.zeros_like(device_map)  # read once: refused without check_values
+  with pytest.raises(ValueError, match="draft_to_target"):
+    jm.sample_draft(*args[:-1], draft_to_target=bad, config=CONFIG,
+                    check_values=False)
 
 
 def test_identity_map_is_the_plain_path_bit_for_bit():

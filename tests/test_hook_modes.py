@@ -23,7 +23,9 @@ def _gpu() -> bool:
 
 _GPU = _gpu()
 M, S, V, R = 8, 3, 96, 8
-RUNTIMES = ["jax"] + (["native"] if _GPU else [])
+# The native runtime needs CUDA: its cases are GPU tests (pytest -m gpu).
+RUNTIMES = ["jax"] + ([pytest.param("native", marks=pytest.mark.gpu)]
+                      if _GPU else [])
 
 
 def _sampler(spec, runtime):
