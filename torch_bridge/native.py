@@ -256,6 +256,7 @@ class Launch:
       raise BuildError(f"{ir.name}: needs triton global scratch memory, which "
                        "a captured launch cannot allocate")
     self.ir = ir
+    self.kernel = kernel  # owns the loaded module the function lives in
     self.args = args
     self.dynamic = [i for i, a in enumerate(args) if isinstance(a, str)]
     kernel[ir.grid]  # pylint: disable=pointless-statement  # loads the module
