@@ -16,7 +16,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jax_markov import reference, rng, validate
 from jax_markov.head import Draft, MarkovHead
@@ -336,6 +335,24 @@ def _map_statics(draft_to_target, config, increasing: bool | None):
   return _as_array(draft_to_target), not increasing
 
 
+def _target_map(draft_to_target, target_vocab, vocab, head, config,
+                check_values) -> dict:
+  """The jitted calls' map keywords for sample_draft and greedy_draft."""
+  if draft_to_target is None:
+    if target_vocab is not None:
+      raise ValueError("target_vocab is for draft_to_target (a reduced draft "
+                       "vocabulary); without it the vocabulary is base's V")
+    return {}
+  if target_vocab is None:
+    target_vocab = validate._shape(head.embed)[0]
+  increasing = validate.check_draft_to_target(
+      draft_to_target, vocab, target_vocab, validate._shape(head.embed)[0],
+      check_values=check_values)
+  d2t, permute = _map_statics(draft_to_target, config, increasing)
+  return dict(draft_to_target=d2t, permute=permute,
+              target_vocab=int(target_vocab))
+
+
 def _config(config, method, batch, vocab, rank, interpret):
   if config is not None:
     if method is not None and method != config.method:
@@ -406,19 +423,8 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
   words = rng.check_seeds(seeds, B, "B")
   interpret = _interpret_default(interpret)
   config = _config(config, method, B, V, head.rank, interpret)
-  map_kw = {}
-  if draft_to_target is not None:
-    if target_vocab is None:
-      target_vocab = validate._shape(head.embed)[0]
-    increasing = validate.check_draft_to_target(
-        draft_to_target, V, target_vocab, validate._shape(head.embed)[0],
-        check_values=check_values)
-    d2t, permute = _map_statics(draft_to_target, config, increasing)
-    map_kw = dict(draft_to_target=d2t, permute=permute,
-                  target_vocab=int(target_vocab))
-  elif target_vocab is not None:
-    raise ValueError("target_vocab is for draft_to_target (a reduced draft "
-                     "vocabulary); without it the vocabulary is base's V")
+  map_kw = _target_map(draft_to_target, target_vocab, V, head, config,
+                       check_values)
   return _sample_draft(_as_array(base_logits), _as_array(anchor_tokens),
                        head, _as_array(temperature), words,
                        _as_array(positions), config=config,
@@ -530,17 +536,8 @@ def greedy_draft(base_logits, anchor_tokens, head: MarkovHead, *,
   if config.select == "persistent":
     raise ValueError("greedy_draft runs step by step: config.select must be "
                      "'pass' or 'tail', got 'persistent'")
-  map_kw = {}
-  if draft_to_target is not None:
-    if target_vocab is None:
-      target_vocab = validate._shape(head.embed)[0]
-    increasing = validate.check_draft_to_target(
-        draft_to_target, V, target_vocab, validate._shape(head.embed)[0],
-        check_values=check_values)
-    d2t, permute = _map_statics(draft_to_target, config, increasing)
-    map_kw = dict(draft_to_target=d2t, permute=permute)
-  elif target_vocab is not None:
-    raise ValueError("target_vocab is for draft_to_target (a reduced draft "
-                     "vocabulary); without it the vocabulary is base's V")
+  map_kw = _target_map(draft_to_target, target_vocab, V, head, config,
+                       check_values)
+  map_kw.pop("target_vocab", None)
   return _greedy_draft(_as_array(base_logits), _as_array(anchor_tokens), head,
                        config=config, interpret=interpret, **map_kw)

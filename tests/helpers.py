@@ -234,3 +234,15 @@ def assert_sample_drafts_agree(a, b, base, anchor, head, temperature, seeds, pos
   u = np.asarray(jm.draft_uniforms(seeds, positions))
   t = np.broadcast_to(np.asarray(temperature)[:, None], u.shape)
   assert_drafts_agree(tuple(a), tuple(b), base, anchor, head, t, u)
+
+
+def torch_and_jax_gpu() -> bool:
+  """Whether torch sees a CUDA device and JAX runs on a GPU (the bridge's GPU
+  tests need both)."""
+  import torch  # pylint: disable=g-import-not-at-top
+  if not torch.cuda.is_available():
+    return False
+  try:
+    return any(d.platform == "gpu" for d in jax.devices())
+  except RuntimeError:
+    return False

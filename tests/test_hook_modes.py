@@ -4,24 +4,17 @@ drafting, a reduced draft vocabulary, the confidence head."""
 
 import torch_bridge as tb  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE
 
-import jax
 import numpy as np
 import pytest
 import torch
 
+from helpers import torch_and_jax_gpu
 from torch_bridge import testing as sd
 
 
-def _gpu() -> bool:
-  if not torch.cuda.is_available():
-    return False
-  try:
-    return any(d.platform == "gpu" for d in jax.devices())
-  except RuntimeError:
-    return False
 
 
-_GPU = _gpu()
+_GPU = torch_and_jax_gpu()
 M, S, V, R = 8, 3, 96, 8
 # The native runtime needs CUDA: its cases are GPU tests (pytest -m gpu).
 RUNTIMES = ["jax"] + ([pytest.param("native", marks=pytest.mark.gpu)]

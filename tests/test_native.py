@@ -24,7 +24,7 @@ from torch_bridge import modes, native, native_plan
 from torch_bridge import testing as sd
 
 import jax_markov as jm
-from helpers import check_draft
+from helpers import check_draft, torch_and_jax_gpu
 
 try:
   import triton  # noqa: F401
@@ -33,16 +33,9 @@ except ImportError:
   _TRITON = False
 
 
-def _gpu() -> bool:
-  if not torch.cuda.is_available():
-    return False
-  try:
-    return any(d.platform == "gpu" for d in jax.devices())
-  except RuntimeError:
-    return False
 
 
-_GPU = _gpu()
+_GPU = torch_and_jax_gpu()
 
 
 def _shape(m, s, v, r, *, dtype=torch.bfloat16, idx64=False):
@@ -128,7 +121,6 @@ def test_ir_cache_hits_and_keys(tmp_path):
 
 
 def test_lower_kernel_refuses_two_kernels():
-  from jax_markov.kernels.select_pass import select_pass  # noqa: F401
   with pytest.raises(RuntimeError, match="one pallas_call"):
     native.lower_kernel(lambda x: x + 1, jax.ShapeDtypeStruct((4,), "float32"))
 

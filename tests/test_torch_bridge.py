@@ -7,7 +7,6 @@ the stream-ordering, device-mismatch and capture tests.
 """
 
 import os
-import sys
 
 import torch_bridge as tb  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE
 from torch_bridge import buckets as tbb
@@ -18,19 +17,13 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import torch_and_jax_gpu
 from torch_bridge import testing as sd  # pylint: disable=g-import-not-at-top
 
 
-def _has_gpu() -> bool:
-  if not torch.cuda.is_available():
-    return False
-  try:
-    return any(d.platform == "gpu" for d in jax.devices())
-  except RuntimeError:
-    return False
 
 
-_GPU = _has_gpu()
+_GPU = torch_and_jax_gpu()
 
 M, S, V, R = 8, 3, 96, 8
 

@@ -221,7 +221,7 @@ class DraftPlans:
     self.device = device
     self.ir_cache = ir_cache
     self.capability = torch.cuda.get_device_capability(device)
-    m, s, v = shape.max_num_reqs, shape.steps, shape.vocab
+    m, s = shape.max_num_reqs, shape.steps
     i32 = dict(dtype=torch.int32, device=device)
     # Tables read through a pointer to one row: step s, live requests n.
     self.steps = torch.zeros((s, ROW), **i32)
