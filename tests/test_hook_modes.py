@@ -167,3 +167,41 @@ def test_bad_map_is_refused_with_nothing_written():
       sampler(spec, 4, hidden)
     assert torch.equal(spec.draft_tokens, tokens0)
     assert torch.equal(spec.draft_logits.values, cache0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
+def test_gpu_captured_map_outlives_a_rebinding():
+  # A shuffled map: the native runtime binds a column map and a proj sorted
+  # by target id, derived tensors the graph reads. Binding another spec (and
+  # map) afterwards must not free them under the graph.
+  pytest.importorskip("triton")
+  spec = _spec("cuda", draft_vocab=40, shuffled=True, seed=1)
+  sampler = _sampler(spec, "native")
+  n = 6
+  hidden = spec.prepare(n, greedy=(1,))
+  side = torch.cuda.Stream()
+  side.wait_stream(torch.cuda.current_stream())
+  graph = torch.cuda.CUDAGraph()
+  with torch.cuda.stream(side):
+    assert sampler(spec, n, hidden)  # reads the map, outside the capture
+    torch.cuda.synchronize()
+    eager_tokens = spec.draft_tokens.clone()
+    eager_cache = spec.draft_logits.values.clone()
+    with torch.cuda.graph(graph, stream=side):
+      assert sampler(spec, n, hidden)
+  torch.cuda.synchronize()
+  other = _spec("cuda", draft_vocab=40, shuffled=True, seed=2)
+  assert sampler(other, n, other.prepare(n))
+  del other
+  torch.cuda.synchronize()
+  # Whatever memory was freed is handed out again and overwritten.
+  junk = [torch.full((1 << k,), float("nan"), device="cuda")
+          for k in range(4, 16) for _ in range(8)]
+  spec.draft_tokens.zero_()
+  spec.draft_logits.values.zero_()
+  graph.replay()
+  torch.cuda.synchronize()
+  del junk
+  assert torch.equal(spec.draft_tokens, eager_tokens)
+  assert torch.equal(spec.draft_logits.values, eager_cache)

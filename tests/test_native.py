@@ -343,3 +343,27 @@ for _name in list(globals()):
     for _mark in gpu:
       _fn = _mark(_fn)
     globals()[_name] = _fn
+
+
+def test_ir_cache_key_follows_the_kernel_source(tmp_path, monkeypatch):
+  # A kernel edited without a version bump is a different kernel: its cached
+  # IR (whose operands may have changed) must not be loaded.
+  import jax_markov
+  pkg = tmp_path / "jax_markov"
+  (pkg / "kernels").mkdir(parents=True)
+  (pkg / "__init__.py").write_text("")
+  kernel = pkg / "kernels" / "block_pass.py"
+  kernel.write_text("INPUTS = ('base', 'proj')\n")
+  monkeypatch.setattr(jax_markov, "__file__", str(pkg / "__init__.py"))
+  cache = native.IRCache(str(tmp_path / "ir"))
+  native.source_digest.cache_clear()
+  try:
+    before = cache.key({"kernel": "block_pass"})
+    kernel.write_text("INPUTS = ('proj', 'base')\n")
+    native.source_digest.cache_clear()
+    after = cache.key({"kernel": "block_pass"})
+  finally:
+    monkeypatch.undo()
+    native.source_digest.cache_clear()
+  assert before != after
+  assert native.versions()["source"] == native.source_digest()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -140,6 +141,28 @@ def lower_kernel(fn: Callable, *arg_specs: jax.ShapeDtypeStruct) -> KernelIR:
                   aliases=tuple(params["input_output_aliases"]))
 
 
+@functools.lru_cache(maxsize=1)
+def source_digest() -> str:
+  """A hash of the code a lowered kernel comes from.
+
+  The jax_markov package (the kernel bodies and what they import) and the
+  plan that calls them: a checkout that changes a kernel without a version
+  bump must not load the IR of the old kernel from the cache, whose operands
+  may no longer be the ones the plan binds.
+  """
+  import jax_markov  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(jax_markov.__file__)
+  paths = sorted(os.path.join(d, f) for d, _, files in os.walk(root)
+                 for f in files if f.endswith(".py"))
+  paths.append(os.path.join(os.path.dirname(__file__), "native_plan.py"))
+  digest = hashlib.sha256()
+  for path in paths:
+    digest.update(os.path.relpath(path, os.path.dirname(root)).encode())
+    with open(path, "rb") as f:
+      digest.update(f.read())
+  return digest.hexdigest()[:16]
+
+
 def versions() -> dict:
   """What a lowered and compiled kernel depends on besides its arguments."""
   import jaxlib  # pylint: disable=g-import-not-at-top
@@ -150,7 +173,8 @@ def versions() -> dict:
     triton_version = None
   from jax_markov import __version__  # pylint: disable=g-import-not-at-top
   return {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
-          "triton": triton_version, "jax_markov": __version__}
+          "triton": triton_version, "jax_markov": __version__,
+          "source": source_digest()}
 
 
 def cache_dir() -> str:

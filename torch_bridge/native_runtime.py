@@ -65,6 +65,10 @@ class NativeRuntime:
     # last one waits for the last one's kernels first.
     self._last_stream = None
     self._done = None
+    # What a captured graph reads besides the spec's buffers (the scratch, a
+    # column map, a sorted proj): kept for the hook's life once captured, so
+    # a replay never reads memory freed by a later rebinding or reset.
+    self._captured: dict[int, tuple] = {}
 
   def reset(self, device: torch.device) -> None:
     self._plans.clear()
@@ -157,6 +161,9 @@ class NativeRuntime:
                 "count": plans.counts[n].data_ptr()}
     stream = torch.cuda.current_stream(self._device)
     capturing = torch.cuda.is_current_stream_capturing()
+    if capturing:
+      self._captured.setdefault(id(self._bound[1]),
+                                (self._bound[1], mode.cmap, plans))
     if (self._done is not None and stream != self._last_stream
         and not capturing):
       stream.wait_event(self._done)

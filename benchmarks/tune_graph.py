@@ -1,0 +1,146 @@
+"""Sweeps block-pass configurations timed as torch_bridge_graph (GPU time only).
+
+  python -m benchmarks.tune_graph --shape dsv4 --batches 4 16 --out tune.json
+
+benchmarks/tune.py times jax_markov from the host, and below B = 64 the host's
+issue time (100-230 us a draft) is of the order of the GPU's, so two
+configurations that differ by a few microseconds a step time the same there.
+This sweep times what a captured engine runs: for each candidate it puts the
+configuration in ``tuning.TABLE`` for the batch's bucket, builds a fresh
+``torch_bridge.FusedMarkovSampler`` (native runtime) on the benchmark's
+synthetic inputs, captures one draft in a CUDA graph and times replays with
+CUDA events (median of groups of back-to-back replays). The tokens of every
+candidate are checked equal to the first's at T = 0 (the draws do not depend on
+the tile). Winners go into jax_markov/kernels/tuning.py's TABLE by hand; the
+JAX path then runs them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+
+import torch
+
+import torch_bridge as tb  # noqa: E402 -- before JAX starts (preallocation)
+from benchmarks import common  # noqa: E402
+from benchmarks.baselines.vllm_loop import capture_graph  # noqa: E402
+from jax_markov.kernels import tuning  # noqa: E402
+from jax_markov.kernels.config import KernelConfig  # noqa: E402
+from torch_bridge.testing import speculator_from_tensors  # noqa: E402
+
+
+def candidates(batch: int):
+  """The table's current choice first, then tiles near it."""
+  fma = dict(method="fused", block_b=1, bias_dot="fma")
+  if batch <= 16:
+    for bv, bk, w, st, sel in ((128, 64, 4, 3, "tail"), (128, 64, 4, 3, "pass"),
+                               (256, 64, 8, 3, "tail"), (64, 64, 4, 3, "tail")):
+      yield KernelConfig(**fma, block_v=bv, block_k=bk, num_warps=w,
+                         num_stages=st, select=sel)
+    for bv, bk, w, st in ((128, 64, 4, 3), (256, 64, 4, 3), (256, 64, 8, 3),
+                          (128, 128, 4, 2), (512, 64, 8, 2)):
+      yield KernelConfig(method="fused", block_b=16, block_v=bv, block_k=bk,
+                         num_warps=w, num_stages=st)
+    return
+  for bb, bv, bk, w, st in ((32, 128, 64, 4, 3), (32, 256, 64, 8, 3),
+                            (64, 128, 64, 4, 3), (64, 128, 64, 4, 4),
+                            (64, 256, 64, 8, 3), (128, 128, 64, 8, 3)):
+    yield KernelConfig(method="fused", block_b=min(bb, max(16, batch)),
+                       block_v=bv, block_k=bk, num_warps=w, num_stages=st)
+
+
+def time_config(shape, batch, cfg, inputs, temperature, repeats, group):
+  """Median ms of one captured draft with ``cfg`` in the table, and tokens."""
+  key = ("fused", shape.draft_vocab, shape.R, tuning._batch_bucket(batch))  # noqa: SLF001
+  old = tuning.TABLE.get(key)
+  tuning.TABLE[key] = cfg
+  tuning.choose.cache_clear()
+  try:
+    temp = torch.full((batch,), temperature, dtype=torch.float32,
+                      device="cuda")
+    seeds, positions = common.seeds_and_positions(batch, shape.S)
+    kw = {}
+    if shape.Vd is not None:
+      kw["draft_to_target"] = inputs["targets"]
+    spec = speculator_from_tensors(inputs["base"], inputs["embed"],
+                                   inputs["proj"], inputs["anchors"], temp,
+                                   seeds, positions, **kw)
+    hook = tb.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
+                                 getattr(torch, shape.dtype), runtime="native",
+                                 buckets=(batch,), check_values=False)
+    hook.warmup(spec)
+    graph = capture_graph(lambda: hook(spec, batch, spec.head_hidden))
+    for _ in range(5):
+      graph.replay()
+    times = []
+    for _ in range(repeats):
+      a = torch.cuda.Event(enable_timing=True)
+      b = torch.cuda.Event(enable_timing=True)
+      a.record()
+      for _ in range(group):
+        graph.replay()
+      b.record()
+      torch.cuda.synchronize()
+      times.append(a.elapsed_time(b) / group)
+    return statistics.median(times), spec.draft_tokens[:batch].tolist()
+  finally:
+    if old is None:
+      tuning.TABLE.pop(key, None)
+    else:
+      tuning.TABLE[key] = old
+    tuning.choose.cache_clear()
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser()
+  p.add_argument("--shape", default="dsv4", choices=sorted(common.SHAPES))
+  p.add_argument("--batches", type=int, nargs="+", default=[4, 16])
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--repeats", type=int, default=30)
+  p.add_argument("--group", type=int, default=5)
+  p.add_argument("--out", default=None)
+  args = p.parse_args(argv)
+  if not torch.cuda.is_available():
+    print("tune_graph needs a CUDA GPU", file=sys.stderr)
+    return 2
+  shape = common.SHAPES[args.shape]
+  rows = []
+  for batch in args.batches:
+    inputs = common.torch_inputs(shape, batch, 0, torch.device("cuda"))
+    default = tuning.choose("fused", batch, shape.draft_vocab, shape.R,
+                            interpret=False)
+    seen, ref_tokens = [], None
+    for cfg in [default, *candidates(batch)]:
+      if cfg in seen:
+        continue
+      seen.append(cfg)
+      try:
+        ms, tokens = time_config(shape, batch, cfg, inputs, args.temperature,
+                                 args.repeats, args.group)
+      except Exception as e:  # noqa: BLE001 -- a tile that does not build
+        print(f"B={batch} {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
+        continue
+      if ref_tokens is None:
+        ref_tokens = tokens
+      agree = tokens == ref_tokens
+      rows.append(dict(shape=shape.name, batch=batch, ms=ms,
+                       default=cfg == default, tokens_agree=agree,
+                       config=dataclasses.asdict(cfg)))
+      print(f"B={batch:4d} {ms:.4f} ms {'(table) ' if cfg == default else ''}"
+            f"{'' if agree else 'TOKENS DIFFER '}{cfg}", flush=True)
+    best = min((r for r in rows if r["batch"] == batch), key=lambda r: r["ms"])
+    print(f"B={batch:4d} best {best['ms']:.4f} ms: {best['config']}",
+          flush=True)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(device=torch.cuda.get_device_name(), shape=shape.name,
+                     temperature=args.temperature, rows=rows), f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
