@@ -132,14 +132,18 @@ def main(argv=None):
                        config=dataclasses.asdict(cfg)))
       print(f"B={batch:4d} {ms:.4f} ms {'(table) ' if cfg == default else ''}"
             f"{'' if agree else 'TOKENS DIFFER '}{cfg}", flush=True)
+      if args.out:  # after every row: a sweep cut short keeps what it timed
+        _write(args.out, shape, args.temperature, rows)
     best = min((r for r in rows if r["batch"] == batch), key=lambda r: r["ms"])
     print(f"B={batch:4d} best {best['ms']:.4f} ms: {best['config']}",
           flush=True)
-  if args.out:
-    with open(args.out, "w") as f:
-      json.dump(dict(device=torch.cuda.get_device_name(), shape=shape.name,
-                     temperature=args.temperature, rows=rows), f, indent=1)
   return 0
+
+
+def _write(path, shape, temperature, rows):
+  with open(path, "w") as f:
+    json.dump(dict(device=torch.cuda.get_device_name(), shape=shape.name,
+                   temperature=temperature, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":
