@@ -367,3 +367,34 @@ def test_ir_cache_key_follows_the_kernel_source(tmp_path, monkeypatch):
     native.source_digest.cache_clear()
   assert before != after
   assert native.versions()["source"] == native.source_digest()
+
+
+_LOWER_WITHOUT_A_GPU = r"""
+import sys, tempfile
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+import test_native as t
+from torch_bridge import native, native_plan
+cache = native.IRCache(tempfile.mkdtemp())
+for cap in ((9, 0), (8, 0)):
+  kernels = native_plan.lower_bucket(t._shape(4, 2, 64, 8), 4, cache, cap)
+  for ir, _, _ in kernels.values():
+    t._well_formed(ir)
+print("lowered", sorted(kernels))
+"""
+
+
+def test_kernels_lower_for_a_capability_with_jax_on_cpu(tmp_path):
+  # The native runtime's JAX only compiles: with no GPU visible to JAX
+  # (JAX_PLATFORMS=cpu) it still lowers for the torch device's capability
+  # (JAX 0.11 resolves its target from the device name, native._target).
+  import subprocess
+  import sys
+  here = os.path.dirname(os.path.abspath(__file__))
+  code = _LOWER_WITHOUT_A_GPU.format(root=os.path.dirname(here), tests=here)
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             JAX_MARKOV_CACHE_DIR=str(tmp_path))
+  out = subprocess.run([sys.executable, "-c", code], env=env,
+                       capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "lowered ['block_pass', 'draw_params', 'select_pass']" in out.stdout

@@ -106,13 +106,44 @@ def _capture_triton_modules():
       lowering.lower_jaxpr_to_triton_module = original
 
 
-def lower_kernel(fn: Callable, *arg_specs: jax.ShapeDtypeStruct) -> KernelIR:
+def _target(capability: tuple[int, int] | None):
+  """A context in which Pallas lowers Triton IR for ``capability``.
+
+  JAX 0.11 resolves the GPU it lowers for from the default device's name
+  (jax._src.pallas.triton.gpu_info): with no GPU visible to JAX, or one whose
+  name is not in its list, the lowering fails. Here the target is the torch
+  device's capability, named through an abstract device (registered once as
+  its own kind). JAX 0.10 has no such module: it lowers for the GPU it sees,
+  or for 9.0 without one, and this is a no-op.
+  """
+  if capability is None:
+    return contextlib.nullcontext()
+  try:
+    from jax._src.pallas.triton import gpu_info  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return contextlib.nullcontext()
+  major, minor = capability
+  kind = f"jax_markov sm_{major}{minor}"
+  gpu_info.registry.setdefault(kind, functools.partial(
+      gpu_info.GpuInfo, gpu_version=None, arch_name=f"{major}.{minor}",
+      compute_capability=major * 10 + minor))
+  device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=None,
+                                       platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("_target",),
+                                   abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lower_kernel(fn: Callable, *arg_specs: jax.ShapeDtypeStruct,
+                 capability: tuple[int, int] | None = None) -> KernelIR:
   """Lowers ``fn``, which must run exactly one pallas_call, to Triton IR.
 
   Args:
     fn: a function of arrays that calls one Pallas (Triton) kernel; its
       arguments reach the kernel in the order the kernel takes them.
     *arg_specs: the shapes and dtypes of fn's arguments.
+    capability: the CUDA capability (major, minor) to lower for; None: what
+      JAX picks (the GPU it sees; JAX 0.11 fails without one).
 
   Returns:
     The kernel's IR and launch parameters. Raises RuntimeError where the
@@ -128,7 +159,7 @@ def lower_kernel(fn: Callable, *arg_specs: jax.ShapeDtypeStruct) -> KernelIR:
     compiler = compiler.get("triton")
   num_warps = getattr(compiler, "num_warps", None) or 4
   num_stages = getattr(compiler, "num_stages", None) or 3
-  with _capture_triton_modules() as captured:
+  with _capture_triton_modules() as captured, _target(capability):
     jax.jit(fn).trace(*arg_specs).lower(lowering_platforms=("cuda",))
   if len(captured) != 1:
     raise RuntimeError(f"expected one Triton module, lowered {len(captured)}")
@@ -201,10 +232,11 @@ class IRCache:
     blob = json.dumps([description, versions()], sort_keys=True, default=repr)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
-  def get_or_lower(self, description: Any, fn: Callable,
-                   *arg_specs) -> tuple[KernelIR, str]:
+  def get_or_lower(self, description: Any, fn: Callable, *arg_specs,
+                   capability: tuple[int, int] | None = None
+                   ) -> tuple[KernelIR, str]:
     """The kernel's IR and the path of its .ttir file (written if missing)."""
-    key = self.key(description)
+    key = self.key([description, capability])
     meta_path = os.path.join(self.directory, key + ".json")
     ttir_path = os.path.join(self.directory, key + ".ttir")
     try:
@@ -216,7 +248,7 @@ class IRCache:
     except (OSError, ValueError, KeyError, TypeError):
       pass
     self.misses += 1
-    ir = lower_kernel(fn, *arg_specs)
+    ir = lower_kernel(fn, *arg_specs, capability=capability)
     os.makedirs(self.directory, exist_ok=True)
     # Written under a temporary name first: a concurrent reader never sees a
     # partial file.

@@ -100,12 +100,12 @@ def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), _JNP.get(dtype, dtype))
 
 
-def _lower(ir_cache, description, call, specs: dict):
+def _lower(ir_cache, description, call, specs: dict, capability):
   """Lowers ``call(**arrays)`` for the named operand specs."""
   names = list(specs)
   return ir_cache.get_or_lower(
       description, lambda *arrays: call(**dict(zip(names, arrays))),
-      *specs.values())
+      *specs.values(), capability=capability)
 
 
 def operands(inputs, outputs, given_in, given_out) -> list[str]:
@@ -114,9 +114,9 @@ def operands(inputs, outputs, given_in, given_out) -> list[str]:
           [n for n in outputs if n in given_out])
 
 
-def lower_bucket(shape: DraftShape, bucket: int,
-                 ir_cache: native.IRCache) -> dict:
-  """Lowers a bucket's kernels (no GPU needed).
+def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
+                 capability: tuple[int, int] | None = None) -> dict:
+  """Lowers a bucket's kernels (no GPU needed) for a CUDA capability.
 
   Returns:
     {kernel: (KernelIR, ttir path, operand names)} for "draw_params",
@@ -143,7 +143,7 @@ def lower_bucket(shape: DraftShape, bucket: int,
                anchor_idx=_spec((words["anchor_idx"],), i32),
                count=_spec((1,), i32))
   out["draw_params"] = (*_lower(ir_cache, {**desc, "kernel": "draw_params"},
-                                params_call, specs),
+                                params_call, specs, capability),
                         [*specs, "params", "cache_rows", "anchors"])
 
   cache_spec = _spec((m * s, v), f32)
@@ -156,7 +156,7 @@ def lower_bucket(shape: DraftShape, bucket: int,
                  cache_rows=_spec((bp * s,), i32), cache=cache_spec)
     out["fill_columns"] = (
         *_lower(ir_cache, {**desc, "kernel": "fill_columns"}, fill_call,
-                specs),
+                specs, capability),
         operands(fill_columns_module.INPUTS, fill_columns_module.OUTPUTS,
                  specs, ("cache",)))
 
@@ -184,7 +184,8 @@ def lower_bucket(shape: DraftShape, bucket: int,
       set() if sh.greedy else {"cache", "block_sum"}) | (
           {"tokens", "counters"} if tail else set())
   out["block_pass"] = (
-      *_lower(ir_cache, {**desc, "kernel": "block_pass"}, block_call, specs),
+      *_lower(ir_cache, {**desc, "kernel": "block_pass"}, block_call, specs,
+              capability),
       operands(block_pass_module.INPUTS, block_pass_module.OUTPUTS, specs,
                outs))
   if not tail:
@@ -206,7 +207,7 @@ def lower_bucket(shape: DraftShape, bucket: int,
     specs.update(columns)
     out["select_pass"] = (
         *_lower(ir_cache, {**desc, "kernel": "select_pass"}, select_call,
-                specs),
+                specs, capability),
         operands(select_pass_module.INPUTS, select_pass_module.OUTPUTS,
                  specs, ("tokens",)))
   return out
@@ -268,8 +269,8 @@ class DraftPlans:
                  block_max=ptr(self.bmax), block_sum=ptr(self.bsum),
                  block_argmax=ptr(self.barg), counters=ptr(self.counters))
     launches = []
-    for name, (ir, path, names) in lower_bucket(self.shape, bp,
-                                                self.ir_cache).items():
+    for name, (ir, path, names) in lower_bucket(
+        self.shape, bp, self.ir_cache, self.capability).items():
       kernel = native.compile_kernel(ir, path, self.capability)
       steps = range(self.shape.steps) if name in ("block_pass",
                                                   "select_pass") else (None,)
