@@ -183,6 +183,8 @@ def test_gpu_captured_map_outlives_a_rebinding():
   side = torch.cuda.Stream()
   side.wait_stream(torch.cuda.current_stream())
   graph = torch.cuda.CUDAGraph()
+  tokens0 = spec.draft_tokens.clone()
+  cache0 = spec.draft_logits.values.clone()
   with torch.cuda.stream(side):
     assert sampler(spec, n, hidden)  # reads the map, outside the capture
     torch.cuda.synchronize()
@@ -198,8 +200,8 @@ def test_gpu_captured_map_outlives_a_rebinding():
   # Whatever memory was freed is handed out again and overwritten.
   junk = [torch.full((1 << k,), float("nan"), device="cuda")
           for k in range(4, 16) for _ in range(8)]
-  spec.draft_tokens.zero_()
-  spec.draft_logits.values.zero_()
+  spec.draft_tokens.copy_(tokens0)
+  spec.draft_logits.values.copy_(cache0)
   graph.replay()
   torch.cuda.synchronize()
   del junk
