@@ -374,6 +374,22 @@ def test_tune_and_profile_scripts_smoke(tmp_path):
   assert {c.bias_dot for c in fma[1:]} == {"fma"} and {c.block_b for c in fma[1:]} == {1}
 
 
+def test_tune_graph_candidates_and_cpu_refusal():
+  """benchmarks/tune_graph.py: valid candidates at each batch (one-request
+  CUDA-core tiles only where few requests share proj), and a clear refusal
+  without a GPU (it times captured CUDA graphs)."""
+  torch = pytest.importorskip("torch")
+  from benchmarks import tune_graph
+  for batch in (4, 16, 64, 256):
+    cfgs = list(tune_graph.candidates(batch))
+    assert len(cfgs) == len(set(cfgs)) >= 5
+    assert all(c.select in ("pass", "tail") for c in cfgs)
+    assert all(c.block_b <= max(16, batch) for c in cfgs)
+    assert any(c.bias_dot == "fma" for c in cfgs) == (batch <= 16)
+  if not torch.cuda.is_available():
+    assert tune_graph.main(["--batches", "4"]) == 2
+
+
 def test_timeline_script_smoke(tmp_path):
   """benchmarks/timeline.py runs end to end on the tiny shape (on CPU the
   trace has no GPU kernels; the host issue times and the overrides still count)."""
