@@ -441,6 +441,7 @@ class JaxDraft:
   words: object
   positions: object
   temperature: object
+  mapped: dict = dataclasses.field(default_factory=dict)
 
   def args(self, k: int = 0) -> tuple:
     """sample_draft's positional arguments with input set k."""
@@ -448,9 +449,18 @@ class JaxDraft:
     return (d["base"], d["anchors"], self.heads[k], self.temperature,
             self.words, self.positions)
 
-  def calls(self, config) -> list:
-    """One call per input set, with ``config`` and no value checks."""
+  def calls(self, config, interpret: bool = False) -> list:
+    """One call per input set, with ``config`` and no value checks.
+
+    With a reduced vocabulary the call is the jitted draft behind
+    ``jm.sample_draft`` with the (increasing) map on the device, checked
+    once, as a serving loop holds it (``mapped``: its keyword arguments).
+    """
     import jax_markov as jm
+    if self.mapped:
+      return [(lambda k=k: jm.sampler._sample_draft(  # noqa: SLF001
+          *self.args(k), config=config, interpret=interpret, **self.mapped))
+              for k in range(len(self.sets))]
     return [(lambda k=k: jm.sample_draft(*self.args(k), config=config,
                                          check_values=False))
             for k in range(len(self.sets))]
@@ -463,9 +473,16 @@ def jax_draft(shape: Shape, batch: int, temperature: float) -> JaxDraft:
   sets = [jax_inputs(shape, batch, k)
           for k in range(num_input_sets(shape, batch))]
   seeds, positions = seeds_and_positions(batch, shape.S)
+  mapped = {}
+  if shape.Vd is not None:
+    import numpy as np
+    targets = draft_targets(shape)
+    assert (np.diff(targets) > 0).all()
+    mapped = dict(draft_to_target=jnp.asarray(targets, jnp.int32),
+                  target_vocab=shape.V)
   return JaxDraft(sets, [jm.MarkovHead(d["embed"], d["proj"]) for d in sets],
                   jm.rng.seed_words(seeds), jnp.asarray(positions),
-                  jnp.full((batch,), temperature, jnp.float32))
+                  jnp.full((batch,), temperature, jnp.float32), mapped)
 
 
 def jax_inputs(shape: Shape, batch: int, set_index: int):

@@ -801,13 +801,12 @@ class _JaxFamily:
     vocabulary).
 
     The tokens come from the public call. With a map, the timed calls are the
-    jitted draft behind it with the map checked once (increasing, so
-    permute=False) and on the device: the public call re-checks a NumPy map
-    on the host every call (np.unique over Vd ids, ~1.5 ms at Vd = 32768 on
-    a 2-core host) and re-uploads it, and a device map with
-    check_values=False is sorted (with a copy of base and proj) inside every
-    call; a serving loop holds its map fixed, as the hook does (it checks
-    d2t once per identity). The row's ``timed`` field says which ran.
+    jitted draft behind it with the map checked once and on the device (for
+    greedy_draft known increasing, permute=False): the public call re-checks
+    a NumPy map on the host every call (np.unique over Vd ids, ~1.5 ms at
+    Vd = 32768 on a 2-core host) and re-uploads it; a serving loop holds its
+    map fixed, as the hook does (it checks d2t once per identity). The row's
+    ``timed`` field says which ran.
     """
     import numpy as np
     import jax.numpy as jnp
@@ -836,8 +835,11 @@ class _JaxFamily:
       assert (np.diff(targets) > 0).all()
       d2t = jnp.asarray(targets)
       interpret = not self.is_gpu
-      cfg = sampler._config(None, None, batch, shape.draft_vocab,
-                            shape.R, interpret)
+      # The configuration the public call picks: sampling walks the target
+      # columns, greedy drafting the draft columns.
+      cfg = sampler._config(None, None, batch,
+                            shape.draft_vocab if greedy else shape.V,
+                            shape.R, interpret, stepwise=True)
       if greedy:
         calls = [(lambda d=d, h=h: inner(
             d["base"], d["anchors"], h, config=cfg, interpret=interpret,
@@ -847,7 +849,7 @@ class _JaxFamily:
         calls = [(lambda d=d, h=h: inner(
             d["base"], d["anchors"], h, temperature, self.words,
             self.positions, config=cfg, interpret=interpret,
-            draft_to_target=d2t, permute=False, target_vocab=shape.V))
+            draft_to_target=d2t, target_vocab=shape.V))
                  for d, h in zip(self.sets, heads)]
       name = getattr(inner, "__name__", "the inner draft")
       meta["timed"] = (f"jax_markov.sampler.{name} (the jitted "

@@ -31,7 +31,6 @@ import jax
 
 import jax_markov as jm  # noqa: E402
 from benchmarks import common  # noqa: E402
-from jax_markov.kernels import tuning  # noqa: E402
 
 
 def kernel_events(trace_dir: str) -> list[tuple[str, int, int]]:
@@ -111,9 +110,12 @@ def main(argv=None):
   interpret = jax.default_backend() != "gpu"
   for B in a.batches:
     draft = common.jax_draft(shape, B, a.temperature)
-    cfg = tuning.choose(None, B, shape.V, shape.R, interpret=interpret)
+    # The public call's choice (with a map, the block pass walks the target
+    # columns).
+    cfg = jm.sampler._config(None, None, B, shape.V, shape.R, interpret,  # noqa: SLF001
+                             stepwise=shape.Vd is not None)
     cfg = dataclasses.replace(cfg, **overrides)
-    calls = draft.calls(cfg)
+    calls = draft.calls(cfg, interpret)
     run = common.round_robin(calls, finish=jax.block_until_ready)
     common.warm_up(run, 3 * a.group, common.WARMUP_S)
     wall_ms, _ = common.wall_clock_median(run, 10 * a.group, a.group)
@@ -122,7 +124,7 @@ def main(argv=None):
     # it calls, and a jitted function that returns its first argument (what
     # any jitted call with these arguments costs).
     jitted = lambda: jm.sampler._sample_draft(  # noqa: E731
-        *draft.args(), config=cfg, interpret=interpret)
+        *draft.args(), config=cfg, interpret=interpret, **draft.mapped)
     noop = jax.jit(lambda *args: args[1])
     noop_call = lambda: noop(*draft.args())  # noqa: E731
     issue = {}

@@ -53,27 +53,40 @@ def candidates(batch: int):
                        block_v=bv, block_k=bk, num_warps=w, num_stages=st)
 
 
+def captured_draft(shape, batch, inputs, temperature):
+  """A native-runtime hook's draft on the synthetic inputs, captured.
+
+  Returns:
+    (graph, spec, hook): the torch CUDA graph of one hook call (all
+    ``batch`` requests, the tuning table's configuration), the speculator
+    double it writes and the hook.
+  """
+  temp = torch.full((batch,), temperature, dtype=torch.float32, device="cuda")
+  seeds, positions = common.seeds_and_positions(batch, shape.S)
+  kw = {}
+  if shape.Vd is not None:
+    kw["draft_to_target"] = inputs["targets"]
+  spec = speculator_from_tensors(inputs["base"], inputs["embed"],
+                                 inputs["proj"], inputs["anchors"], temp,
+                                 seeds, positions, **kw)
+  hook = tb.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
+                               getattr(torch, shape.dtype), runtime="native",
+                               buckets=(batch,), check_values=False)
+  hook.warmup(spec)
+  graph = capture_graph(lambda: hook(spec, batch, spec.head_hidden))
+  return graph, spec, hook
+
+
 def time_config(shape, batch, cfg, inputs, temperature, repeats, group):
   """Median ms of one captured draft with ``cfg`` in the table, and tokens."""
-  key = ("fused", shape.draft_vocab, shape.R, tuning._batch_bucket(batch))  # noqa: SLF001
+  # The block pass's grid: sampling walks the V target columns, with a
+  # reduced vocabulary too.
+  key = ("fused", shape.V, shape.R, tuning._batch_bucket(batch))  # noqa: SLF001
   old = tuning.TABLE.get(key)
   tuning.TABLE[key] = cfg
   tuning.choose.cache_clear()
   try:
-    temp = torch.full((batch,), temperature, dtype=torch.float32,
-                      device="cuda")
-    seeds, positions = common.seeds_and_positions(batch, shape.S)
-    kw = {}
-    if shape.Vd is not None:
-      kw["draft_to_target"] = inputs["targets"]
-    spec = speculator_from_tensors(inputs["base"], inputs["embed"],
-                                   inputs["proj"], inputs["anchors"], temp,
-                                   seeds, positions, **kw)
-    hook = tb.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
-                                 getattr(torch, shape.dtype), runtime="native",
-                                 buckets=(batch,), check_values=False)
-    hook.warmup(spec)
-    graph = capture_graph(lambda: hook(spec, batch, spec.head_hidden))
+    graph, spec, _ = captured_draft(shape, batch, inputs, temperature)
     for _ in range(5):
       graph.replay()
     times = []
@@ -111,7 +124,7 @@ def main(argv=None):
   rows = []
   for batch in args.batches:
     inputs = common.torch_inputs(shape, batch, 0, torch.device("cuda"))
-    default = tuning.choose("fused", batch, shape.draft_vocab, shape.R,
+    default = tuning.choose("fused", batch, shape.V, shape.R,
                             interpret=False)
     seen, ref_tokens = [], None
     for cfg in [default, *candidates(batch)]:

@@ -12,6 +12,7 @@ embedding row itself): nothing returns to the host.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -22,7 +23,6 @@ from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
 from jax_markov.kernels.draft_pass import draft_pass
-from jax_markov.kernels.fill_columns import fill_columns
 from jax_markov.kernels.select_pass import select_pass
 
 
@@ -42,8 +42,8 @@ def _interpret_default(interpret: bool | None) -> bool:
 
 def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
                *, num_cache_rows: int, config: tuning.KernelConfig,
-               interpret: bool, columns=None, unmapped=None,
-               cache_vocab: int | None = None, no_cache: bool = False):
+               interpret: bool, columns=None, slots=None,
+               no_cache: bool = False):
   """Runs the S steps.
 
   Args:
@@ -54,16 +54,17 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
       greedy), 1.0 where greedy (else 0), and the uniform.
     cache_rows: int32 [B * S], the flat cache row of each draw (-1 none), or
       None for the dense layout (draw (b, s) writes row b * S + s).
-    columns: int32 [V] strictly increasing (see :func:`_column_map`), the
-      cache column of each draft column, or None (the identity).
-    unmapped: int32 [cache_vocab - V], the cache columns no draft column
-      maps to (filled with -inf before step 0), or None where there are none.
-    cache_vocab: the cache's width (V without columns).
+    columns: greedy drafting with a reduced vocabulary: int32 [V] strictly
+      increasing (see :func:`_column_map`), the target id of each draft
+      column, or None.
+    slots: sampling with a reduced vocabulary: int32 [V_target] (see
+      :func:`_slot_map`), the draft column of each target column or -1; the
+      cache and the statistics are then over the V_target target columns.
     no_cache: greedy drafting: cache, params and cache_rows are None, every
       draw is the argmax, and no cache exists (None is returned for it).
 
   Returns:
-    (tokens int32 [B, S], cache float32 [num_cache_rows, cache_vocab] or
+    (tokens int32 [B, S], cache float32 [num_cache_rows, V or V_target] or
     None with no_cache).
   """
   B, S, V = base.shape
@@ -73,7 +74,7 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
                     else jax.lax.Precision.DEFAULT)
 
   if config.select == "persistent":  # the whole draft in one launch
-    if columns is not None or no_cache:
+    if columns is not None or slots is not None or no_cache:
       raise ValueError("select='persistent' supports neither draft_to_target "
                        "nor greedy_draft; use select='pass' or 'tail'")
     cache, tokens = draft_pass(
@@ -83,14 +84,6 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     return tokens.reshape(B, S), cache
 
   tail = config.select == "tail"
-  if cache_vocab is None:
-    cache_vocab = V
-  if unmapped is not None:
-    # -inf at the unmapped target columns of every row the draft writes,
-    # once before step 0 (dense: this creates the cache).
-    cache = fill_columns(unmapped, cache_rows, cache,
-                         num_cache_rows=num_cache_rows, vocab=cache_vocab,
-                         num_rows=B * S, interpret=interpret)
 
   def step(cache, tokens, counters, s):
     """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
@@ -108,8 +101,7 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     out = block_pass(
         base_flat, bias_or_head, s, params, cache_rows, cache, block_tokens,
         counters, config=config, num_steps=S, num_cache_rows=num_cache_rows,
-        columns=columns, cache_vocab=cache_vocab, no_cache=no_cache,
-        interpret=interpret)
+        columns=columns, slots=slots, no_cache=no_cache, interpret=interpret)
     if no_cache:  # greedy drafting: block maxima and argmaxes, no cache
       if tail:
         _, _, tokens, counters = out
@@ -123,7 +115,8 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
       cache, bmax, bsum, barg = out
     tokens = select_pass(
         bmax, bsum, barg, cache, s, params, cache_rows, tokens, config=config,
-        num_steps=S, columns=columns, vocab=V, no_cache=no_cache,
+        num_steps=S, columns=columns,
+        vocab=V if slots is None else slots.shape[0], no_cache=no_cache,
         interpret=interpret)
     return cache, tokens, counters
 
@@ -151,29 +144,25 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
   return tokens.reshape(B, S), cache
 
 
-def _column_map(draft_to_target, base, head, *, permute: bool,
-                cache_vocab: int):
-  """The kernels' view of a reduced draft vocabulary.
+def _column_map(draft_to_target, base, head, *, permute: bool):
+  """Greedy drafting's view of a reduced draft vocabulary.
 
   Invariant the kernels rely on: the column map they get is strictly
-  increasing, so draft-column order is target-id order (the inverse CDF and
-  the first argmax over the draft columns are those over the target row).
-  With ``permute`` (the map is not known to be increasing) the draft columns
-  are sorted by target id here: ``order = argsort(draft_to_target)``, base
-  and proj permuted with it (a copy of base [B, S, Vd] and proj [Vd, R]),
-  which changes no logit: column j of the draft vocabulary is the same
-  (base[j], proj[j]) pair at its sorted place.
+  increasing, so draft-column order is target-id order (the first argmax
+  over the draft columns is the one over the target row). With ``permute``
+  (the map is not known to be increasing) the draft columns are sorted by
+  target id here: ``order = argsort(draft_to_target)``, base and proj
+  permuted with it (a copy of base [B, S, Vd] and proj [Vd, R]), which
+  changes no logit: column j of the draft vocabulary is the same (base[j],
+  proj[j]) pair at its sorted place.
 
   Args:
-    draft_to_target: int [Vd], distinct values in [0, cache_vocab).
+    draft_to_target: int [Vd], distinct target ids.
     base: [B, S, Vd]; head: proj [Vd, R].
     permute: sort (static); False only where the map is known increasing.
-    cache_vocab: the target vocabulary V (static).
 
   Returns:
-    (columns int32 [Vd] increasing, base, head, unmapped int32 [V - Vd] (the
-    target columns no draft column maps to, increasing) or None when V ==
-    Vd).
+    (columns int32 [Vd] increasing, base, head).
   """
   columns = draft_to_target.astype(jnp.int32)
   if permute:
@@ -181,15 +170,22 @@ def _column_map(draft_to_target, base, head, *, permute: bool,
     columns = columns[order]
     base = jnp.take(base, order, axis=2)
     head = MarkovHead(head.embed, jnp.take(head.proj, order, axis=0))
-  vd = columns.shape[0]
-  unmapped = None
-  if cache_vocab > vd:
-    mapped = jnp.zeros((cache_vocab,), bool).at[columns].set(True, mode="drop")
-    # A map with duplicates (unchecked inside jit) leaves fewer unmapped
-    # columns: the list's padding is cache_vocab, which the fill skips.
-    unmapped = jnp.nonzero(~mapped, size=cache_vocab - vd,
-                           fill_value=cache_vocab)[0].astype(jnp.int32)
-  return columns, base, head, unmapped
+  return columns, base, head
+
+
+def _slot_map(draft_to_target, target_vocab: int):
+  """Sampling's view of a reduced draft vocabulary: int32 [target_vocab].
+
+  Entry t is the draft column whose target id is t, or -1 where no draft id
+  maps to t. The block pass walks the target columns with it, so any map
+  order works and base and proj are used as they are. Ids outside [0,
+  target_vocab) are dropped and of duplicates one wins (both refused when
+  the map is concrete and checked; docs/limitations.md).
+  """
+  vd = draft_to_target.shape[0]
+  return jnp.full((target_vocab,), -1, jnp.int32).at[
+      draft_to_target.astype(jnp.int32)].set(
+          jnp.arange(vd, dtype=jnp.int32), mode="drop")
 
 
 def _draw_params(temperature, valid, u):
@@ -241,42 +237,37 @@ _guard_draft = _no_derivative("jm.sample_draft")
 _guard_draft_into = _no_derivative("jm.sample_draft_into")
 
 
-@functools.partial(jax.jit, static_argnames=("config", "interpret", "permute",
+@functools.partial(jax.jit, static_argnames=("config", "interpret",
                                              "target_vocab"))
 def _sample_draft(base, anchor_tokens, head, temperature, words, positions, *,
-                  config, interpret, draft_to_target=None, permute=False,
-                  target_vocab=None):
+                  config, interpret, draft_to_target=None, target_vocab=None):
   base, head, temperature = _guard_draft((base, head, temperature))
   B, S, V = base.shape
   u = rng.uniforms_from_words(words, positions)
   valid = jnp.ones((B, S), bool)
   params = _draw_params(jnp.broadcast_to(temperature[:, None], (B, S)), valid,
                         u)
-  columns = unmapped = None
+  slots = None
   if draft_to_target is not None:
-    columns, base, head, unmapped = _column_map(
-        draft_to_target, base, head, permute=permute, cache_vocab=target_vocab)
+    slots = _slot_map(draft_to_target, target_vocab)
     V = target_vocab
   tokens, cache = _run_steps(None, base, anchor_tokens.astype(jnp.int32), head,
                              params, None, num_cache_rows=B * S,
-                             config=config, interpret=interpret,
-                             columns=columns, unmapped=unmapped,
-                             cache_vocab=V)
+                             config=config, interpret=interpret, slots=slots)
   return Draft(tokens, cache.reshape(B, S, V))
 
 
 def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
                             words, idx_map, positions, *, config, interpret,
-                            draft_to_target=None, permute=False):
+                            draft_to_target=None):
   cache, base, head, temperature = _guard_draft_into(
       (cache, base, head, temperature))
   B, S, V = base.shape
   N = cache.shape[0]
-  columns = unmapped = None
+  slots = None
   if draft_to_target is not None:
     V = cache.shape[2]  # the target vocabulary
-    columns, base, head, unmapped = _column_map(
-        draft_to_target, base, head, permute=permute, cache_vocab=V)
+    slots = _slot_map(draft_to_target, V)
   idx_map = idx_map.astype(jnp.int32)
   # A row outside [0, N) is padding: refused when concrete, but under jit it
   # would make the kernels store and load past the cache (Triton does not
@@ -292,12 +283,11 @@ def _sample_draft_into_impl(cache, base, anchor_tokens, head, temperature,
   tokens, cache = _run_steps(cache.reshape(N * S, V), base,
                              anchor_tokens.astype(jnp.int32), head, params,
                              cache_rows, num_cache_rows=N * S, config=config,
-                             interpret=interpret, columns=columns,
-                             unmapped=unmapped, cache_vocab=V)
+                             interpret=interpret, slots=slots)
   return tokens, cache.reshape(N, S, V)
 
 
-_INTO_STATICS = ("config", "interpret", "permute")
+_INTO_STATICS = ("config", "interpret")
 _sample_draft_into = jax.jit(_sample_draft_into_impl,
                              static_argnames=_INTO_STATICS)
 _sample_draft_into_donated = jax.jit(_sample_draft_into_impl,
@@ -311,9 +301,8 @@ def _greedy_draft(base, anchor_tokens, head, *, config, interpret,
   B, S, _ = base.shape
   columns = None
   if draft_to_target is not None:
-    # No cache: the unmapped target columns are never stored, so no list.
-    columns, base, head, _ = _column_map(draft_to_target, base, head,
-                                         permute=permute, cache_vocab=0)
+    columns, base, head = _column_map(draft_to_target, base, head,
+                                      permute=permute)
   tokens, _ = _run_steps(None, base, anchor_tokens.astype(jnp.int32), head,
                          None, None, num_cache_rows=0, config=config,
                          interpret=interpret, columns=columns, no_cache=True)
@@ -329,7 +318,7 @@ def _map_statics(draft_to_target, config, increasing: bool | None):
   """
   if draft_to_target is None:
     return None, False
-  if config.select == "persistent":
+  if config is not None and config.select == "persistent":
     raise ValueError("draft_to_target is not supported with "
                      "select='persistent'; use select='pass' or 'tail'")
   return _as_array(draft_to_target), not increasing
@@ -353,13 +342,25 @@ def _target_map(draft_to_target, target_vocab, vocab, head, config,
               target_vocab=int(target_vocab))
 
 
-def _config(config, method, batch, vocab, rank, interpret):
+def _config(config, method, batch, vocab, rank, interpret, stepwise=False):
+  """The launch configuration: the caller's, or the tuning table's.
+
+  vocab is the block pass's grid: V, or with a reduced vocabulary the
+  target vocabulary when sampling (the grid walks target columns) and Vd
+  when drafting greedily. ``stepwise``: the draft must run step by step (a
+  reduced vocabulary, greedy drafting), which the one-launch persistent
+  draft does not; the table's persistent choice then runs with the tail
+  select instead (as the native runtime does).
+  """
   if config is not None:
     if method is not None and method != config.method:
       raise ValueError(f"method={method!r} disagrees with config.method="
                        f"{config.method!r}")
     return config
-  return tuning.choose(method, batch, vocab, rank, interpret=interpret)
+  config = tuning.choose(method, batch, vocab, rank, interpret=interpret)
+  if stepwise and config.select == "persistent":
+    config = dataclasses.replace(config, select="tail", programs=0)
+  return config
 
 
 def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
@@ -422,9 +423,12 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
   validate.check_temperature(temperature, B, "B", check_values=check_values)
   words = rng.check_seeds(seeds, B, "B")
   interpret = _interpret_default(interpret)
-  config = _config(config, method, B, V, head.rank, interpret)
   map_kw = _target_map(draft_to_target, target_vocab, V, head, config,
                        check_values)
+  map_kw.pop("permute", None)  # any map order: the slots are in target order
+  # With a map the block pass walks the target columns.
+  config = _config(config, method, B, map_kw.get("target_vocab", V),
+                   head.rank, interpret, stepwise=bool(map_kw))
   return _sample_draft(_as_array(base_logits), _as_array(anchor_tokens),
                        head, _as_array(temperature), words,
                        _as_array(positions), config=config,
@@ -484,11 +488,12 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
   validate.check_temperature(temperature, N, "N", check_values=check_values)
   words = rng.check_seeds(seeds, N, "N")
   interpret = _interpret_default(interpret)
-  config = _config(config, method, B, V, head.rank, interpret)
+  config = _config(config, method, B, cache_vocab, head.rank, interpret,
+                   stepwise=draft_to_target is not None)
   map_kw = {}
   if draft_to_target is not None:
-    d2t, permute = _map_statics(draft_to_target, config, increasing)
-    map_kw = dict(draft_to_target=d2t, permute=permute)
+    d2t, _ = _map_statics(draft_to_target, config, increasing)
+    map_kw = dict(draft_to_target=d2t)
   fn = _sample_draft_into_donated if donate else _sample_draft_into
   return fn(_as_array(cache), _as_array(base_logits),
             _as_array(anchor_tokens), head, _as_array(temperature), words,
@@ -532,7 +537,7 @@ def greedy_draft(base_logits, anchor_tokens, head: MarkovHead, *,
   B, S, V = validate.check_greedy(base_logits, anchor_tokens, head,
                                   check_values=check_values)
   interpret = _interpret_default(interpret)
-  config = _config(config, None, B, V, head.rank, interpret)
+  config = _config(config, None, B, V, head.rank, interpret, stepwise=True)
   if config.select == "persistent":
     raise ValueError("greedy_draft runs step by step: config.select must be "
                      "'pass' or 'tail', got 'persistent'")

@@ -21,13 +21,12 @@ S = 3
 DSV4 = dict(V=129280, R=256)
 
 
-def _triton_calls(config, B, V, R, into=False, draft_vocab=None,
-                  permute=True):
+def _triton_calls(config, B, V, R, into=False, draft_vocab=None):
   """Lowers one draft for CUDA; returns how many Triton kernels it launches.
 
   draft_vocab: with a reduced draft vocabulary of that size (a
-  draft_to_target map, sorted in the call when permute), base and proj have
-  draft_vocab columns / rows and the cache V.
+  draft_to_target map), base and proj have draft_vocab columns / rows and
+  the cache V.
   """
   vd = V if draft_vocab is None else draft_vocab
   head = jm.MarkovHead(embed=jax.ShapeDtypeStruct((V, R), jnp.bfloat16),
@@ -38,7 +37,7 @@ def _triton_calls(config, B, V, R, into=False, draft_vocab=None,
           spec((B, S), jnp.int32)]
   kw = {}
   if draft_vocab is not None:
-    kw = dict(draft_to_target=spec((vd,), jnp.int32), permute=permute)
+    kw = dict(draft_to_target=spec((vd,), jnp.int32))
   fn = sampler._sample_draft
   if into:
     N = B + 2
@@ -120,12 +119,12 @@ STEPWISE = [(c, n) for c, n in CONFIGS if c.select != "persistent"]
 @pytest.mark.parametrize("into", [False, True])
 @pytest.mark.parametrize("config,launches", STEPWISE)
 def test_reduced_draft_vocab_lowers_to_triton(config, launches, into):
-  """draft_to_target: the scatter store and the mapped draw lower; one more
-  launch a draft (fill_columns, the unmapped -inf), none when Vd == V."""
+  """draft_to_target: the block pass over the target columns (gathers by
+  slot) lowers, with the same launches as without a map."""
   assert _triton_calls(config, 5, 1000, 64, into=into,
-                       draft_vocab=600) == launches + 1
-  assert _triton_calls(config, 5, 1000, 64, into=into, draft_vocab=1000,
-                       permute=False) == launches
+                       draft_vocab=600) == launches
+  assert _triton_calls(config, 5, 1000, 64, into=into,
+                       draft_vocab=1000) == launches
 
 
 @pytest.mark.parametrize("config,launches", STEPWISE)
@@ -145,11 +144,14 @@ def test_persistent_draft_refuses_a_map():
 
 @pytest.mark.parametrize("B", [1, 64])
 def test_reduced_draft_vocab_lowers_at_deepseek_v4_shape(B):
-  """The table's entries with a 32k draft vocabulary of the 129k target."""
-  config = tuning.choose(None, B, 32768, DSV4["R"], interpret=False)
+  """A 32k draft vocabulary of the 129k target, with the configuration
+  sample_draft picks (the table's for the target vocabulary: the block pass
+  walks the target columns)."""
+  config = sampler._config(None, None, B, DSV4["V"], DSV4["R"], False,
+                           stepwise=True)
   launches = S if config.select == "tail" else 2 * S
   assert _triton_calls(config, B, DSV4["V"], DSV4["R"],
-                       draft_vocab=32768) == launches + 1
+                       draft_vocab=32768) == launches
 
 
 @pytest.mark.parametrize("B", [1, 4, 16, 64, 256])
@@ -213,20 +215,31 @@ def test_one_step_operand_order_for_a_native_runtime():
   # New optional operands go last, so the order above holds without them.
   assert block_pass.INPUTS == ("base", "embed", "proj", "anchors", "tokens",
                                "bias", "step", "params", "cache_rows",
-                               "cache", "counters", "columns")
+                               "cache", "counters", "columns", "slots")
   assert select_pass.INPUTS == ("block_max", "block_sum", "block_argmax",
                                 "cache", "step", "params", "cache_rows",
                                 "tokens", "columns")
 
-  # With the map: columns after every other given input.
+  # Sampling with a map: slots [V target] after every other given input
+  # (base and proj over the draft columns).
+  vd = V // 2
   fn = lambda b, e, p, a, s, q, r, c, t, n, m: block_pass.block_pass(  # noqa: E731
-      b, (e, p, a), s, q, r, c, t, n, config=tail, columns=m, **statics)
-  order, aliases = _pallas_operands(fn, base, embed, proj, anchors, step,
-                                    params, cache_rows, cache, tokens, i32(B),
-                                    i32(V))
+      b, (e, p, a), s, q, r, c, t, n, config=tail, slots=m, **statics)
+  order, aliases = _pallas_operands(
+      fn, spec((B * S, vd), jnp.bfloat16), embed, spec((vd, R), jnp.bfloat16),
+      anchors, step, params, cache_rows, cache, tokens, i32(B), i32(V))
   assert order == [0, 1, 2, 3, 8, 4, 5, 6, 7, 9, 10]
-  fn = lambda *xs: select_pass.select_pass(  # noqa: E731
-      *xs[:-1], config=tail, num_steps=S, columns=xs[-1])
-  order, _ = _pallas_operands(fn, stats, stats, i32(B, V // 64), cache,
-                              step, params, cache_rows, tokens, i32(V))
-  assert order == list(range(9))
+  # Greedy with a map: columns [Vd] last; no cache, params or sums.
+  fn = lambda b, e, p, a, s, t, n, m: block_pass.block_pass(  # noqa: E731
+      b, (e, p, a), s, None, None, None, t, n, config=tail, columns=m,
+      num_steps=S, num_cache_rows=0, no_cache=True)
+  order, _ = _pallas_operands(
+      fn, spec((B * S, vd), jnp.bfloat16), embed, spec((vd, R), jnp.bfloat16),
+      anchors, step, tokens, i32(B), i32(vd))
+  assert order == [0, 1, 2, 3, 5, 4, 6, 7]
+  fn = lambda bm, ba, s, t, m: select_pass.select_pass(  # noqa: E731
+      bm, None, ba, None, s, None, None, t, config=tail, num_steps=S,
+      columns=m, no_cache=True)
+  order, _ = _pallas_operands(fn, stats, i32(B, V // 64), step, tokens,
+                              i32(V))
+  assert order == list(range(5))

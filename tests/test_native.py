@@ -81,21 +81,23 @@ def test_every_bucket_lowers_to_triton_ir(tmp_path, m, s, v, r,
 @pytest.mark.parametrize("greedy,draft_vocab", [(True, None), (False, 40),
                                                 (True, 40), (False, 96)])
 def test_every_mode_lowers_and_compiles(tmp_path, greedy, draft_vocab):
-  """Greedy drafting (no cache) and a reduced draft vocabulary (columns,
-  fill_columns where target columns are unmapped), at the tail select's
-  bucket (1) and the select pass's (8)."""
+  """Greedy drafting (no cache) and a reduced draft vocabulary (sampling:
+  slots over the target columns; greedy: columns over the draft columns), at
+  the tail select's bucket (1) and the select pass's (8)."""
   import dataclasses
   cache = native.IRCache(str(tmp_path))
   shape = dataclasses.replace(_shape(8, 3, 96, 8), greedy=greedy,
                               draft_vocab=draft_vocab)
+  mapped = draft_vocab is not None
   for bp in (1, 8):
     kernels = native_plan.lower_bucket(shape, bp, cache)
-    assert ("fill_columns" in kernels) == (
-        not greedy and draft_vocab is not None and draft_vocab < 96)
+    assert set(kernels) <= {"draw_params", "block_pass", "select_pass"}
     for name, (ir, path, names) in kernels.items():
       _well_formed(ir)
       assert len(names) == ir.num_inputs + ir.num_outputs, name
-      assert ("columns" in names) == (draft_vocab is not None and
+      assert ("slots" in names) == (mapped and not greedy and
+                                    name == "block_pass")
+      assert ("columns" in names) == (mapped and greedy and
                                       name in ("block_pass", "select_pass"))
       if greedy:
         assert "cache" not in names and "params" not in names[:1]

@@ -33,18 +33,20 @@ class ColumnMap:
 
   Attributes:
     targets: int32 [Vd] on the device, the target id of each draft id.
-    columns: int32 [Vd], ``targets`` in increasing order (the kernels'
-      invariant: draft-column order is target order).
-    order: int64 [Vd], the permutation that sorts the draft columns (base
-      and proj are permuted with it), or None where targets increase.
-    unmapped: int32 [V - Vd], the target columns no draft id maps to, or None
-      where there are none.
+    slots: int32 [V], the draft id of each target id, -1 where none maps to
+      it: sampling's map (the block pass walks the target columns, any map
+      order, base and proj as they are).
+    columns: int32 [Vd], ``targets`` in increasing order: greedy drafting's
+      map (its invariant: draft-column order is target order).
+    order: int64 [Vd], the permutation that sorts the draft columns (greedy
+      drafting permutes base and proj with it), or None where targets
+      increase.
     target_vocab: V.
   """
   targets: torch.Tensor
+  slots: torch.Tensor
   columns: torch.Tensor
   order: torch.Tensor | None
-  unmapped: torch.Tensor | None
   target_vocab: int
 
 
@@ -81,14 +83,11 @@ def column_map(d2t, draft_vocab: int, target_vocab: int,
   increasing = bool((host[1:] > host[:-1]).all())
   order = None if increasing else torch.argsort(targets)
   columns = targets if increasing else targets[order]
-  unmapped = None
-  if target_vocab > draft_vocab:
-    mapped = torch.zeros(target_vocab, dtype=torch.bool, device=device)
-    mapped[targets] = True
-    unmapped = torch.nonzero(~mapped).reshape(-1).to(torch.int32)
-  return ColumnMap(targets=targets.to(torch.int32),
+  slots = torch.full((target_vocab,), -1, dtype=torch.int32, device=device)
+  slots[targets] = torch.arange(draft_vocab, dtype=torch.int32, device=device)
+  return ColumnMap(targets=targets.to(torch.int32), slots=slots,
                    columns=columns.to(torch.int32).contiguous(), order=order,
-                   unmapped=unmapped, target_vocab=target_vocab)
+                   target_vocab=target_vocab)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,11 +24,9 @@ import torch
 
 from jax_markov.kernels import tuning
 from jax_markov.kernels import block_pass as block_pass_module
-from jax_markov.kernels import fill_columns as fill_columns_module
 from jax_markov.kernels import select_pass as select_pass_module
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
 from jax_markov.kernels.draw_params import ParamsLayout, draw_params
-from jax_markov.kernels.fill_columns import fill_columns
 from jax_markov.kernels.select_pass import select_pass
 from torch_bridge import native
 
@@ -52,9 +50,9 @@ class DraftShape:
       anchor_idx), as the kernels read them.
     layout: which integer buffers are int64 word pairs.
     draft_vocab: Vd with a reduced draft vocabulary (the base logits and proj
-      have Vd columns / rows, a strictly increasing column map ``columns``
-      int32 [Vd] places them in the V target columns, and ``unmapped`` int32
-      [V - Vd] lists the others), else None (Vd = V, no map).
+      have Vd columns / rows; sampling walks the V target columns with
+      ``slots`` int32 [V], greedy drafting the Vd draft columns with the
+      increasing ``columns`` int32 [Vd]), else None (Vd = V, no map).
     greedy: greedy drafting: tokens only, no cache (vLLM's draft_logits None).
   """
   max_num_reqs: int
@@ -77,8 +75,14 @@ class DraftShape:
 
   @property
   def mapped(self) -> bool:
-    """A reduced draft vocabulary: draft column j is cache column columns[j]."""
+    """A reduced draft vocabulary (Vd < V, or a map with Vd == V)."""
     return self.draft_vocab is not None
+
+  @property
+  def grid_vocab(self) -> int:
+    """The block pass's columns: V when sampling (with a map, the target
+    columns), Vd when drafting greedily."""
+    return self.vd if self.greedy else self.vocab
 
   def describe(self) -> dict:
     return {k: str(v) for k, v in dataclasses.asdict(self).items()}
@@ -120,12 +124,12 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
 
   Returns:
     {kernel: (KernelIR, ttir path, operand names)} for "draw_params",
-    "fill_columns" (a reduced vocabulary with unmapped columns, sampling),
     "block_pass" and "select_pass" (unless the block pass draws, tail).
   """
   sh, bp = shape, bucket
   m, s, v, vd, r = sh.max_num_reqs, sh.steps, sh.vocab, sh.vd, sh.rank
-  cfg = config(bp, vd, r)
+  grid = sh.grid_vocab
+  cfg = config(bp, grid, r)
   words = dict(sh.words)
   desc = {"shape": sh.describe(), "bucket": bp, "config": repr(cfg)}
   i32, f32 = jnp.int32, jnp.float32
@@ -147,28 +151,22 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
                         [*specs, "params", "cache_rows", "anchors"])
 
   cache_spec = _spec((m * s, v), f32)
-  if sh.mapped and not sh.greedy and v > vd:
-    def fill_call(unmapped, cache_rows, cache):
-      return fill_columns(unmapped, cache_rows, cache, num_cache_rows=m * s,
-                          vocab=v, num_rows=bp * s)
-
-    specs = dict(unmapped=_spec((v - vd,), i32),
-                 cache_rows=_spec((bp * s,), i32), cache=cache_spec)
-    out["fill_columns"] = (
-        *_lower(ir_cache, {**desc, "kernel": "fill_columns"}, fill_call,
-                specs, capability),
-        operands(fill_columns_module.INPUTS, fill_columns_module.OUTPUTS,
-                 specs, ("cache",)))
-
   tail = cfg.select == "tail"
-  columns = dict(columns=_spec((vd,), i32)) if sh.mapped else {}
+  # The map: sampling walks the target columns by slot, greedy drafting
+  # the draft columns (tokens mapped by columns in the select).
+  column_map = {}
+  if sh.mapped:
+    column_map = (dict(columns=_spec((vd,), i32)) if sh.greedy
+                  else dict(slots=_spec((v,), i32)))
   kw = dict(config=cfg, num_steps=s, num_cache_rows=m * s,
-            cache_vocab=v if sh.mapped else None, no_cache=sh.greedy)
+            no_cache=sh.greedy)
 
   def block_call(base, embed, proj, anchors, tokens, step, params=None,
-                 cache_rows=None, cache=None, counters=None, columns=None):
+                 cache_rows=None, cache=None, counters=None, columns=None,
+                 slots=None):
     return block_pass(base, (embed, proj, anchors), step, params, cache_rows,
-                      cache, tokens, counters, columns=columns, **kw)
+                      cache, tokens, counters, columns=columns, slots=slots,
+                      **kw)
 
   specs = dict(base=_spec((bp * s, vd), sh.base_dtype),
                embed=_spec((sh.vocab_in, r), sh.head_dtype),
@@ -179,7 +177,7 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
                  cache_rows=_spec((bp * s,), i32), cache=cache_spec)
   if tail:
     specs["counters"] = _spec((num_request_tiles(bp, cfg.block_b),), i32)
-  specs.update(columns)
+  specs.update(column_map)
   outs = {"block_max", "block_argmax"} | (
       set() if sh.greedy else {"cache", "block_sum"}) | (
           {"tokens", "counters"} if tail else set())
@@ -189,13 +187,13 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
       operands(block_pass_module.INPUTS, block_pass_module.OUTPUTS, specs,
                outs))
   if not tail:
-    nb = num_blocks(vd, cfg)
+    nb = num_blocks(grid, cfg)
 
     def select_call(block_max, block_argmax, step, tokens, block_sum=None,
                     cache=None, params=None, cache_rows=None, columns=None):
       return select_pass(block_max, block_sum, block_argmax, cache, step,
                          params, cache_rows, tokens, config=cfg, num_steps=s,
-                         columns=columns, vocab=vd, no_cache=sh.greedy)
+                         columns=columns, vocab=grid, no_cache=sh.greedy)
 
     specs = dict(block_max=_spec((bp, nb), f32),
                  block_argmax=_spec((bp, nb), i32), step=_spec((1,), i32),
@@ -204,7 +202,8 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
       specs.update(block_sum=_spec((bp, nb), f32), cache=cache_spec,
                    params=_spec((3, bp * s), f32),
                    cache_rows=_spec((bp * s,), i32))
-    specs.update(columns)
+    if sh.greedy:
+      specs.update(column_map)
     out["select_pass"] = (
         *_lower(ir_cache, {**desc, "kernel": "select_pass"}, select_call,
                 specs, capability),
@@ -230,8 +229,9 @@ class DraftPlans:
     self.counts = torch.zeros((m + 1, ROW), **i32)
     self.counts[:, 0] = torch.arange(m + 1, **i32)
     # Scratch for the largest bucket; a bucket uses the leading part.
-    vd = shape.vd
-    nb_max = max(num_blocks(vd, config(b, vd, shape.rank)) for b in buckets)
+    grid = shape.grid_vocab
+    nb_max = max(num_blocks(grid, config(b, grid, shape.rank))
+                 for b in buckets)
     self.params = torch.empty(3 * m * s, dtype=torch.float32, device=device)
     self.cache_rows = torch.empty(m * s, **i32)
     self.anchors = torch.empty(m, **i32)
@@ -240,7 +240,8 @@ class DraftPlans:
     self.bsum = torch.empty(m * nb_max, dtype=torch.float32, device=device)
     self.barg = torch.empty(m * nb_max, **i32)
     self.counters = torch.zeros(m, **i32)  # the tail select leaves them at 0
-    self.pad = torch.zeros((m, s, vd), dtype=shape.base_dtype, device=device)
+    self.pad = torch.zeros((m, s, shape.vd), dtype=shape.base_dtype,
+                           device=device)
     self._plans: dict[int, list[native.Launch]] = {}
 
   def plan(self, bucket: int) -> list[native.Launch]:
@@ -280,8 +281,7 @@ class DraftPlans:
           table["step"] = ptr(self.steps[step])
         launches.append((name, step, native.Launch(
             ir, kernel, [table.get(n, n) for n in names])))
-    # In draft order: draw_params, fill_columns, then block [select] a step.
-    rank = {"draw_params": 0, "fill_columns": 1, "block_pass": 2,
-            "select_pass": 3}
+    # In draft order: draw_params, then block [select] a step.
+    rank = {"draw_params": 0, "block_pass": 1, "select_pass": 2}
     launches.sort(key=lambda x: (x[1] is not None, x[1] or 0, rank[x[0]]))
     return [launch for _, _, launch in launches]

@@ -123,14 +123,16 @@ class NativeRuntime:
                              mapped=mapped and attr == checks.CACHE)
     bindings = {name: t.data_ptr() for (name, _, _), t in zip(buffers,
                                                               tensors)}
-    if mapped:
+    if mapped and not mode.greedy:
+      # Sampling walks the target columns by slot: base and proj as they are.
+      bindings["slots"] = mode.cmap.slots.data_ptr()
+    elif mapped:
       cmap = mode.cmap
       bindings["columns"] = cmap.columns.data_ptr()
-      if cmap.unmapped is not None:
-        bindings["unmapped"] = cmap.unmapped.data_ptr()
       if cmap.order is not None:
-        # Draft columns sorted by target id: proj permuted once here (the
-        # weights are fixed while bound), base permuted every call.
+        # Greedy drafting walks the draft columns sorted by target id: proj
+        # permuted once here (the weights are fixed while bound), base
+        # permuted every call.
         proj = tensors[1].index_select(0, cmap.order).contiguous()
         bindings["proj"] = proj.data_ptr()
         bindings["_proj_sorted"] = proj  # keeps it alive while bound
@@ -147,7 +149,8 @@ class NativeRuntime:
       plans = self._plans_by_key[key] = self.plans(spec, s_len, base.dtype,
                                                    mode)
     bp = _buckets.bucket_for(self.hook.buckets, n)
-    order = None if mode.cmap is None else mode.cmap.order
+    order = (None if mode.cmap is None or not mode.greedy
+             else mode.cmap.order)
     if order is not None:
       torch.index_select(base, 2, order, out=plans.pad[:n])
       base = plans.pad

@@ -21,16 +21,26 @@ columns and
 
 NaN logits enter the statistics as -inf (never drawn) but are stored as they are.
 
-Reduced draft vocabulary (``columns`` given, int32 [Vd]): base, proj (and the
-xla_bias bias) have Vd columns / rows, the draft vocabulary, and the program
-stores draft column v of x at cache column ``columns[v]`` (a scatter store)
-of a cache as wide as the target vocabulary; the statistics index draft
-columns. Invariant: ``columns`` is strictly increasing (the sampler sorts a
-map that is not, permuting base and proj with it, before any kernel runs), so
-the draft columns are in target-id order and the select pass's inverse CDF
-and first argmax over them are those of the target row. The cache columns no
-draft column maps to are not this kernel's: kernels/fill_columns.py stores
--inf there once a draft.
+Reduced draft vocabulary: base, proj (and the xla_bias bias) have Vd
+columns / rows, the draft vocabulary, and the draw is over the V target ids.
+
+* Sampling (a cache): ``slots`` int32 [V] gives, per target column t, the
+  draft column that maps to it, or -1. The grid walks the target columns: a
+  program gathers base and proj at its columns' slots (a masked load reads
+  nothing for -1), stores x at its target columns, -inf where the slot is
+  -1, as one dense run per row (full 32-byte sectors, no fill of the other
+  columns, no scatter), and keeps target-column statistics, so the select
+  pass draws a target id directly. Any map order works: the walk is in
+  target order. An unmapped column costs a store and tensor-core lanes
+  (zeros in the tile's product), no memory read. (Storing only the Vd
+  draft columns by scatter, with -inf filled beside them, measured 2.5x
+  slower than this on an H200: two partial writes per 32-byte sector;
+  docs/perf-notes.md.)
+* Greedy (``no_cache``): ``columns`` int32 [Vd], strictly increasing (the
+  sampler sorts a map that is not, permuting base and proj with it), the
+  target id of each draft column. The grid walks the Vd draft columns; with
+  no cache nothing is stored, and draft order being target order, the first
+  argmax over draft columns is the first over the target row.
 
 ``no_cache`` (greedy drafting): nothing is stored but the block max and the
 first-max index of x (no scale: every draw is greedy; no sum: only the
@@ -53,10 +63,10 @@ from jax_markov.kernels.select_pass import draw_token, greedy_token
 # The pallas_call's operands, in order: the inputs that are given, then all
 # the outputs ("tokens" and "counters" only with select="tail"). An output
 # updates the input of the same name in place when that input is given.
-# columns (the reduced draft vocabulary's map) comes last, so the other
-# operands keep their positions when it is absent.
+# columns and slots (the reduced draft vocabulary's maps) come last, so the
+# other operands keep their positions when they are absent.
 INPUTS = ("base", "embed", "proj", "anchors", "tokens", "bias", "step",
-          "params", "cache_rows", "cache", "counters", "columns")
+          "params", "cache_rows", "cache", "counters", "columns", "slots")
 OUTPUTS = ("cache", "block_max", "block_sum", "block_argmax", "tokens",
            "counters")
 ALIASED = ("cache", "tokens", "counters")
@@ -108,8 +118,8 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   cache_ref = outs.get("cache")  # absent with no_cache
   bsum_ref = outs.get("block_sum")  # absent with no_cache
   bmax_ref, barg_ref = outs["block_max"], outs["block_argmax"]
-  # Absent: draft column v is cache column v.
-  columns_ref = ins.get("columns")
+  # Absent: grid column v is draft column v.
+  slots_ref = ins.get("slots")
 
   i = pl.program_id(0)
   j = pl.program_id(1)
@@ -124,7 +134,15 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   b_idx = b0 + jnp.arange(block_b)
   b_mask = b_idx < batch
   v_mask = v0 + jnp.arange(block_v) < vocab
-  tile_mask = b_mask[:, None] & v_mask[None, :]
+  if slots_ref is None:
+    d_mask, d_cols = v_mask, v0 + jnp.arange(block_v)
+  else:
+    # Target columns with no draft column (slot -1) load nothing: x = -inf.
+    slot = plgpu.load(slots_ref.at[v0 + jnp.arange(block_v)], mask=v_mask,
+                      other=-1)
+    d_mask = v_mask & (slot >= 0)
+    d_cols = jnp.where(d_mask, slot, 0)
+  tile_mask = b_mask[:, None] & d_mask[None, :]
   # Draw (b, s) is flat index b * S + s of the per-draw arrays and of base's
   # rows; masked requests index past them and are never loaded.
   draw = b_idx * steps + step_ref[0]
@@ -132,12 +150,12 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # Gathers and scatters index rows and columns with arrays (not a slice
   # beside an array), the one mixed form both Triton and the interpreter take;
   # the interpreter clamps an out-of-range slice instead of masking it.
-  cols = (v0 + jnp.arange(block_v))[None, :]
+  cols = (v0 + jnp.arange(block_v))[None, :]  # grid (cache) columns
   # With keep_blocks > 0, what a step reads or writes once (base, cache, the
   # rest of proj) leaves L2 first, so the first keep_blocks blocks of proj,
   # which every step reads again, stay there from one step to the next.
   stream = "evict_first" if keep_blocks else None
-  x = plgpu.load(base_ref.at[draw[:, None], cols], mask=tile_mask,
+  x = plgpu.load(base_ref.at[draw[:, None], d_cols[None, :]], mask=tile_mask,
                  other=0, eviction_policy=stream).astype(jnp.float32)
   if fused:
     # The previous token of each request: its anchor at step 0, else what the
@@ -152,14 +170,14 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # An anchor outside the table is clamped, as XLA's gather clamps.
     prev = jnp.clip(prev, 0, embed_ref.shape[0] - 1)
     b_rows = prev[:, None]
-    v_rows = (v0 + jnp.arange(block_v))[:, None]
+    v_rows = d_cols[:, None]
 
     def rank_chunk(k0, acc, proj_policy):
       k_cols = (k0 + jnp.arange(block_k))[None, :]
       emb = plgpu.load(embed_ref.at[b_rows, k_cols],
                        mask=b_mask[:, None] & (k_cols < rank), other=0)
       proj = plgpu.load(proj_ref.at[v_rows, k_cols],
-                        mask=v_mask[:, None] & (k_cols < rank), other=0,
+                        mask=d_mask[:, None] & (k_cols < rank), other=0,
                         eviction_policy=proj_policy)
       if bias_dot == "fma":
         # CUDA cores: products summed over k, with no shared-memory staging:
@@ -201,8 +219,10 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       x = bias_loop(x, None)
   else:
     rows = jnp.where(b_mask, b_idx, 0)
-    x = x + plgpu.load(ins["bias"].at[rows[:, None], cols], mask=tile_mask,
-                       other=0)
+    x = x + plgpu.load(ins["bias"].at[rows[:, None], d_cols[None, :]],
+                       mask=tile_mask, other=0)
+  if slots_ref is not None:
+    x = jnp.where(d_mask[None, :], x, -jnp.inf)
 
   if no_cache:
     # Greedy drafting: the argmax of x (NaN as -inf) is all the select needs.
@@ -226,20 +246,19 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # Rows not written point past the cache, never at a row another request
   # writes (the interpreter's scatter has no order between duplicates).
   cache_rows = jnp.where(write, cache_rows, cache_ref.shape[0])
-  cache_cols = cols
-  if columns_ref is not None:
-    # The reduced draft vocabulary: draft column v goes to cache column
-    # columns[v]. Columns past Vd point past the cache (masked, and distinct
-    # from every column a draft column maps to).
-    mapped = plgpu.load(columns_ref.at[v0 + jnp.arange(block_v)],
-                        mask=v_mask, other=0)
-    cache_cols = jnp.where(v_mask, mapped, cache_ref.shape[1])[None, :]
-  plgpu.store(cache_ref.at[cache_rows[:, None], cache_cols], x,
+  plgpu.store(cache_ref.at[cache_rows[:, None], cols], x,
               mask=write[:, None] & v_mask[None, :], eviction_policy=stream)
 
   scale = plgpu.load(params_ref.at[0, draw], mask=b_mask, other=1.0)
   y_max, y_sum, y_arg = block_statistics(x, v_mask[None, :], scale[:, None],
                                          v0)
+  if slots_ref is not None:
+    # An all -inf block names its first mapped column, or -1 with none (the
+    # select pass skips it): the argmax of an all -inf row is then the lowest
+    # mapped target id, as with the draft columns, never an unmapped one.
+    first = jnp.min(jnp.where(d_mask, jnp.arange(block_v), block_v))
+    first = jnp.where(first < block_v, v0 + first, -1)
+    y_arg = jnp.where(y_max > -jnp.inf, y_arg, first)
   # Request-major [B, NB]: the select pass then reads each request's
   # statistics as one contiguous row (a column of [NB, B] is one 32-byte
   # sector per value); these stores are spread over all programs instead.
@@ -269,11 +288,11 @@ def _tail_select(ins, outs, *, config: KernelConfig, steps: int, vocab: int,
     num_blocks = pl.cdiv(vocab, config.block_v)
     d = i * steps + ins["step"][0]
     statics = dict(num_blocks=num_blocks,
-                   blocks_pow2=pl.next_power_of_2(num_blocks), vocab=vocab,
-                   columns_ref=ins.get("columns"))
+                   blocks_pow2=pl.next_power_of_2(num_blocks), vocab=vocab)
     if no_cache:
       outs["tokens"][d] = greedy_token(outs["block_max"],
-                                       outs["block_argmax"], i, **statics)
+                                       outs["block_argmax"], i, **statics,
+                                       columns_ref=ins.get("columns"))
     else:
       outs["tokens"][d] = draw_token(
           outs["block_max"], outs["block_sum"], outs["block_argmax"],
@@ -290,6 +309,7 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
                counters: jax.Array | None = None, *, config: KernelConfig,
                num_steps: int, num_cache_rows: int,
                columns: jax.Array | None = None,
+               slots: jax.Array | None = None,
                cache_vocab: int | None = None, no_cache: bool = False,
                interpret: bool = False):
   """Runs the block pass of one step.
@@ -325,16 +345,22 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
       ``select="persistent"`` is :func:`draft_pass.draft_pass`, not this.
     num_steps: S (static).
     num_cache_rows: rows of the cache (static).
-    columns: int32 [Vd], the reduced draft vocabulary (V = Vd above: base
-      [B * S, Vd], proj [Vd, R], bias [B, Vd]): draft column v is stored at
-      cache column columns[v]. Must be strictly increasing (the sampler sorts
-      the map and permutes base and proj with it): the select pass relies on
-      draft order being cache order. Values in [0, cache_vocab); the columns
-      no draft column maps to are not written here
-      (:func:`fill_columns.fill_columns` stores -inf there). None: cache
-      column v is draft column v.
-    cache_vocab: the cache's width with columns (static); None: the cache's
-      width, or Vd when no cache is given.
+    columns: greedy drafting (no_cache) with a reduced draft vocabulary:
+      int32 [Vd], strictly increasing, the target id of each draft column
+      (V = Vd above: base [B * S, Vd], proj [Vd, R]); the statistics index
+      draft columns and the tail select returns columns[j] for the argmax j.
+      The sampler sorts a map that is not increasing (permuting base and
+      proj): the first argmax relies on draft order being target order.
+    slots: sampling with a reduced draft vocabulary: int32 [V_target], the
+      draft column of each target column, or -1 where none maps to it (base
+      [B * S, Vd], proj [Vd, R], bias [B, Vd]). The grid, the cache columns
+      and the statistics are the V_target target columns (V below); a
+      column with slot -1 is x = -inf. Any map order. Values outside
+      [-1, Vd) are not checked here (the callers build slots from a checked
+      map).
+    cache_vocab: the cache's width (static); None: the cache's width, or
+      the grid's columns when no cache is given. Must equal the grid's
+      columns (V, or V_target with slots).
     no_cache: greedy drafting (static): no cache (cache, cache_rows and
       params are None), no block sums; every draw is the argmax of x.
     interpret: run the kernel in the Pallas interpreter (CPU).
@@ -351,12 +377,12 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
   Operands of the pallas_call (the order a native runtime binds pointers
   in): the inputs that are given, in the order ``base, embed, proj, anchors,
   tokens`` (fused) or ``base, bias`` (xla_bias), then ``step, params,
-  cache_rows, cache, counters, columns``; then the outputs ``cache,
+  cache_rows, cache, counters, columns, slots``; then the outputs ``cache,
   block_max, block_sum, block_argmax`` and, with select="tail", ``tokens,
   counters``. The outputs cache, tokens and counters alias the inputs of the
   same name where those are given (see :data:`INPUTS`, :data:`OUTPUTS`).
-  columns, the last input, comes after counters, so the positions of the
-  others are the same with it absent. With no_cache the inputs params,
+  columns and slots, the last inputs, come after counters, so the positions
+  of the others are the same with them absent. With no_cache the inputs params,
   cache_rows, cache and the outputs cache, block_sum are absent: the outputs
   are ``block_max, block_argmax`` [, ``tokens, counters``].
   """
@@ -378,6 +404,18 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
     bias = bias_or_head
   tail = config.select == "tail"
   batch, vocab = base.shape[0] // num_steps, base.shape[1]
+  if columns is not None and not no_cache:
+    raise ValueError("columns maps draft columns for greedy drafting "
+                     "(no_cache=True); sampling with a reduced vocabulary "
+                     "takes slots")
+  if slots is not None and no_cache:
+    raise ValueError("slots is for sampling (a cache); greedy drafting with "
+                     "a reduced vocabulary takes columns")
+  if slots is not None:
+    if slots.ndim != 1 or slots.dtype != jnp.int32:
+      raise ValueError("slots must be int32 [V_target], got "
+                       f"{slots.dtype}{list(slots.shape)}")
+    vocab = slots.shape[0]  # the grid walks the target columns
   rank = proj.shape[1] if fused else 0
   num_blocks = pl.cdiv(vocab, config.block_v)
   num_tiles = num_request_tiles(batch, config.block_b)
@@ -401,9 +439,10 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
     cache_vocab = cache.shape[1]
   elif cache_vocab is None:
     cache_vocab = vocab
-  if columns is None and cache_vocab != vocab:
-    raise ValueError(f"a cache of {cache_vocab} columns for {vocab} base "
-                     "columns needs columns (the draft-to-cache map)")
+  if cache_vocab != vocab:
+    raise ValueError(f"a cache of {cache_vocab} columns for {vocab} grid "
+                     "columns (with a reduced vocabulary, slots has one "
+                     "entry per cache column)")
   keep_blocks = min(pl.cdiv(config.proj_l2_rows, config.block_v), num_blocks)
   precision = None
   if fused and proj.dtype == jnp.float32:
@@ -411,7 +450,7 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
   given = dict(base=base, embed=embed, proj=proj, anchors=anchors,
                tokens=tokens, bias=bias, step=step, params=params,
                cache_rows=cache_rows, cache=cache, counters=counters,
-               columns=columns)
+               columns=columns, slots=slots)
   outputs = dict(
       cache=jax.ShapeDtypeStruct((num_cache_rows, cache_vocab), jnp.float32),
       block_max=jax.ShapeDtypeStruct((batch, num_blocks), jnp.float32),

@@ -18,19 +18,19 @@ Invariant: the token is always in [0, V) and its p_j > 0 whenever the row has a
 drawable token; float32 rounding that leaves u * Z past the last partial sum
 clamps to the last block / index with positive mass, never to a -inf logit.
 
-Reduced draft vocabulary (``columns`` given, int32 [Vd]): the block pass
-computed the Vd draft columns and stored draft column v at cache column
-``columns[v]``; the statistics index draft columns. The draw reads block k
-back from the mapped cache columns and returns ``columns[j]`` for the drawn
-draft column j (a target id). Invariant: ``columns`` is strictly increasing
-(the sampler sorts the map before any kernel runs), so draft-column order is
-target-id order: the inverse CDF over the draft columns is the inverse CDF
-over the target row (its unmapped columns are -inf, weight 0), and the
-lowest draft index of the max is the lowest target id of the max.
+Reduced draft vocabulary, sampling: the block pass walked the target
+columns (its ``slots``), so the statistics and the cache are over the target
+row (-inf where no draft id maps, weight 0) and the token is a target id:
+nothing here differs from the full vocabulary.
 
 With ``no_cache`` (greedy drafting, :func:`jax_markov.greedy_draft`) there is
 no cache, no block sums and no parameters: the token is the row's first
-argmax, from the block maxima and first-max indices alone.
+argmax, from the block maxima and first-max indices alone. With a reduced
+vocabulary (``columns`` given, int32 [Vd]) the statistics index draft
+columns and the token is ``columns[j]`` for the argmax j. Invariant:
+``columns`` is strictly increasing (the sampler sorts the map before any
+kernel runs), so the lowest draft index of the max is the lowest target id
+of the max.
 """
 
 from __future__ import annotations
@@ -67,12 +67,16 @@ def _first_argmax(bmax_ref, barg_ref, b, *, num_blocks: int,
   blk = jnp.arange(blocks_pow2)
   bmax = plgpu.load(bmax_ref.at[b, pl.ds(0, blocks_pow2)],
                     mask=blk < num_blocks, other=-jnp.inf)
+  barg = plgpu.load(barg_ref.at[b, pl.ds(0, blocks_pow2)],
+                    mask=blk < num_blocks, other=-1)
   m = jnp.max(bmax)
   # The first block whose max is the row max (blocks are in vocabulary order,
-  # so its first-max index is the row's lowest index of the max).
-  first_max_block = jnp.min(jnp.where(bmax == m, blk, blocks_pow2))
+  # so its first-max index is the row's lowest index of the max). A block
+  # index of -1 (a target block no draft column maps to, all -inf) is skipped.
+  first_max_block = jnp.min(jnp.where((bmax == m) & (barg >= 0), blk,
+                                      blocks_pow2))
   first_max_block = jnp.minimum(first_max_block, num_blocks - 1)
-  return bmax, m, barg_ref[b, first_max_block]
+  return bmax, m, jnp.sum(jnp.where(blk == first_max_block, barg, 0))
 
 
 def greedy_token(bmax_ref, barg_ref, b, *, num_blocks: int, blocks_pow2: int,
@@ -90,16 +94,14 @@ def greedy_token(bmax_ref, barg_ref, b, *, num_blocks: int, blocks_pow2: int,
 
 def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
                cache_rows_ref, b, d, *, num_blocks: int, blocks_pow2: int,
-               block_v: int, vocab: int, columns_ref=None):
+               block_v: int, vocab: int):
   """The token of draw d (request b) from its block statistics and cache row.
 
   Shared by the select pass and the block pass's tail select (the block pass
   program that finishes a step last), so both draw with the same float32
   arithmetic. The refs are as the select pass takes them; cache_rows_ref is
-  None for the dense layout. vocab is the number of (draft) columns the
-  statistics cover. columns_ref, int32 [vocab] strictly increasing, or None:
-  draft column v lives in cache column columns_ref[v], and the token
-  returned is columns_ref[j] for the drawn column j.
+  None for the dense layout. vocab is the number of columns the statistics
+  and the cache row cover.
   """
   blk = jnp.arange(blocks_pow2)
   blk_mask = blk < num_blocks
@@ -127,15 +129,8 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
   v_mask = v0 + col < vocab
   # Padding draws (row -1) are greedy: any row in range serves.
   row = d if cache_rows_ref is None else jnp.maximum(cache_rows_ref[d], 0)
-  if columns_ref is None:
-    x = plgpu.load(cache_ref.at[row, pl.ds(v0, block_v)], mask=v_mask,
-                   other=-jnp.inf)
-  else:
-    # The block's draft columns, gathered from their cache columns (an
-    # increasing map, so the block's cumsum runs in target-id order).
-    cache_cols = plgpu.load(columns_ref.at[v0 + col], mask=v_mask, other=0)
-    x = plgpu.load(cache_ref.at[jnp.full((block_v,), row), cache_cols],
-                   mask=v_mask, other=-jnp.inf)
+  x = plgpu.load(cache_ref.at[row, pl.ds(v0, block_v)], mask=v_mask,
+                 other=-jnp.inf)
   y = jnp.where(x == x, x, -jnp.inf) * params_ref[0, d]
   y = jnp.where(v_mask, y, -jnp.inf)
   p = jnp.exp(y - m_safe)
@@ -148,7 +143,7 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
                       barg_ref[b, k])
 
   token = jnp.where(greedy, greedy_token, sampled)
-  return _to_target(token, columns_ref, vocab)
+  return _to_target(token, None, vocab)
 
 
 def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
@@ -166,8 +161,7 @@ def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
   outs["tokens"][d] = draw_token(
       ins["block_max"], ins["block_sum"], ins["block_argmax"], ins["cache"],
       ins["params"], ins.get("cache_rows"), b, d, num_blocks=num_blocks,
-      blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab,
-      columns_ref=columns_ref)
+      blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab)
 
 
 def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
@@ -195,12 +189,12 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
     config: the launch configuration; the select pass reads block_v (the
       block pass's) and select_warps.
     num_steps: S (static).
-    columns: int32 [Vd], strictly increasing (the caller sorts the map; the
-      kernel relies on it for the draw order), the cache column of each
-      draft column: the reduced draft vocabulary. The statistics then cover
-      the Vd draft columns, the cache has its own (target) width, and the
-      token written is ``columns[j]`` for the drawn draft column j. None: the
-      statistics' columns are the cache's.
+    columns: greedy drafting (no_cache) with a reduced draft vocabulary:
+      int32 [Vd], strictly increasing (the caller sorts the map; the first
+      argmax relies on it), the target id of each draft column. The
+      statistics then cover the Vd draft columns and the token written is
+      ``columns[j]`` for the argmax j. (Sampling with a reduced vocabulary
+      needs no map here: its statistics and cache are over the target row.)
     vocab: the columns the statistics cover (static): V, or Vd with columns;
       None: ``cache.shape[1]``, or ``columns.shape[0]`` when columns is given.
       Required with no_cache and no columns.
@@ -226,6 +220,10 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
     raise ValueError("no_cache=True takes no block_sum, cache, params or "
                      "cache_rows; no_cache=False needs block_sum, cache and "
                      f"params (no_cache={no_cache})")
+  if columns is not None and not no_cache:
+    raise ValueError("columns maps draft columns for greedy drafting "
+                     "(no_cache=True); sampling over a reduced vocabulary "
+                     "draws from the target row and takes none")
   if vocab is None:
     if columns is not None:
       vocab = columns.shape[0]
