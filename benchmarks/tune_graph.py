@@ -38,7 +38,8 @@ def candidates(batch: int):
   fma = dict(method="fused", block_b=1, bias_dot="fma")
   if batch <= 16:
     for bv, bk, w, st, sel in ((128, 64, 4, 3, "tail"), (128, 64, 4, 3, "pass"),
-                               (256, 64, 8, 3, "tail"), (64, 64, 4, 3, "tail")):
+                               (256, 64, 8, 3, "tail"), (64, 64, 4, 3, "tail"),
+                               (512, 64, 8, 2, "tail")):
       yield KernelConfig(**fma, block_v=bv, block_k=bk, num_warps=w,
                          num_stages=st, select=sel)
     for bv, bk, w, st in ((128, 64, 4, 3), (256, 64, 4, 3), (256, 64, 8, 3),

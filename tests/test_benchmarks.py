@@ -410,6 +410,33 @@ def test_timeline_script_smoke(tmp_path):
   assert summary["by_kernel"]["a"] == dict(count=1.0, mean_us=10.0, total_us=10.0)
 
 
+def test_timeline_reduced_shape_and_graph_trace(tmp_path):
+  """timeline.py on a reduced-vocabulary shape (the jitted draft with the
+  map on the device, the target vocabulary's configuration), and
+  timeline_graph.py's reading of a torch chrome trace: kernels only, in start
+  order, microseconds to nanoseconds; without a GPU it refuses clearly."""
+  torch = pytest.importorskip("torch")
+  from benchmarks import timeline, timeline_graph
+  out = tmp_path / "tl.json"
+  assert timeline.main(["--shape", "tinyr", "--batches", "2", "--group", "1",
+                        "--out", str(out)]) == 0
+  (row,) = json.loads(out.read_text())
+  assert row["shape"] == "tinyr" and row["issue_jit_us"] > 0
+  trace = tmp_path / "trace.json"
+  trace.write_text(json.dumps({"traceEvents": [
+      {"cat": "kernel", "name": "markov_block_pass", "ts": 12.5, "dur": 3.0},
+      {"cat": "cuda_runtime", "name": "cudaGraphLaunch", "ts": 1.0,
+       "dur": 5.0},
+      {"cat": "kernel", "name": "markov_draw_params", "ts": 10.0, "dur": 1.5},
+      {"cat": "kernel", "name": "no duration", "ts": 20.0},
+  ]}))
+  assert timeline_graph.kernel_events(str(trace)) == [
+      ("markov_draw_params", 10_000, 1_500),
+      ("markov_block_pass", 12_500, 3_000)]
+  if not torch.cuda.is_available():
+    assert timeline_graph.main(["--batches", "1"]) == 2
+
+
 def test_warm_up_runs_for_a_count_and_a_time():
   """Untimed calls go on until both the count and the wall time are reached."""
   import time

@@ -26,7 +26,8 @@ __all__ = [name for name in (
     "test_increasing_map", "test_shuffled_map_is_the_sorted_map_permuted",
     "test_map_on_device_without_value_checks",
     "test_identity_map_is_the_plain_path_bit_for_bit",
-    "test_nan_and_neg_inf_in_base", "test_greedy_draft_is_sample_draft_at_t0",
+    "test_nan_and_neg_inf_in_base", "test_empty_target_blocks_never_drawn",
+    "test_greedy_draft_is_sample_draft_at_t0",
     "test_tail_select_and_greedy_with_map", "test_xla_bias_with_map",
     "test_into_with_map",
     "test_bad_maps_raise_and_write_nothing",
@@ -98,8 +99,9 @@ def test_increasing_map(temperature):
 
 
 def test_shuffled_map_is_the_sorted_map_permuted():
-  """A map that is not increasing is sorted in the call: the result is, bit
-  for bit, that of the sorted map with base and proj permuted alike."""
+  """Any map order draws the same: the result is, bit for bit, that of the
+  sorted map with base and proj permuted alike (sampling walks the target
+  columns; greedy drafting sorts the map in the call)."""
   base, anchor, head, t, seeds, pos, d2t = _problem(2, shuffled=True)
   draft = jm.sample_draft(base, anchor, head, t, seeds, pos,
                           draft_to_target=d2t, config=CONFIG)
@@ -176,6 +178,30 @@ def test_nan_and_neg_inf_in_base():
   assert not np.isin(tokens[2], d2t[:20]).any()
   assert not np.isin(tokens[3], d2t[5:30]).any()
   assert (logits[..., _unmapped(d2t)] == -np.inf).all()
+  ref_tokens, ref_logits = jm.reference.sample_draft(
+      base, anchor, head, t, seeds, pos, draft_to_target=d2t)
+  np.testing.assert_array_equal(tokens, ref_tokens)
+  np.testing.assert_allclose(logits, ref_logits, rtol=2e-6, atol=2e-5)
+
+
+@pytest.mark.parametrize("config", [CONFIG, TAIL], ids=["pass", "tail"])
+def test_empty_target_blocks_never_drawn(config):
+  """No draft id maps to target ids 0-15 (a whole target block at block_v =
+  16) and the map is shuffled: that block is all -inf, and a row with nothing
+  drawable still draws the lowest mapped target id, never an id of it."""
+  base, anchor, head, t, seeds, pos, _ = _problem(6, [0.0, 1.0, 0.7, 0.0])
+  rng = np.random.default_rng(6)
+  d2t = rng.permutation(np.arange(16, V))[:VD].astype(np.int32)
+  base = base.at[0, 0].set(-jnp.inf).at[1, 2].set(jnp.nan)
+  draft = jm.sample_draft(base, anchor, head, t, seeds, pos,
+                          draft_to_target=d2t, config=config)
+  tokens = np.asarray(draft.tokens)
+  assert tokens[0, 0] == d2t.min() and tokens[1, 2] == d2t.min()
+  assert np.isin(tokens, d2t).all()
+  logits = np.asarray(draft.logits)
+  assert (logits[..., _unmapped(d2t)] == -np.inf).all()
+  # The reference's rule for a row with nothing drawable is the lowest
+  # mapped id too (the plain contract's check would want target id 0).
   ref_tokens, ref_logits = jm.reference.sample_draft(
       base, anchor, head, t, seeds, pos, draft_to_target=d2t)
   np.testing.assert_array_equal(tokens, ref_tokens)

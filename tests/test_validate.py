@@ -159,6 +159,48 @@ def test_block_pass_checks_its_operands():
                config=fused, **kw)
 
 
+def test_block_pass_and_select_pass_check_their_maps():
+  """The two reduced-vocabulary maps go with their modes: slots (int32 [V
+  target], one per cache column) with a cache, columns (draft columns) only
+  without one; a mismatch is a clear error, never a silent wrong draw."""
+  from jax_markov.kernels.block_pass import block_pass
+  from jax_markov.kernels.select_pass import select_pass
+  vd, v = 40, 64
+  base = jnp.zeros((2, vd), jnp.float32)
+  head = (jnp.zeros((v, 16)), jnp.zeros((vd, 16)), jnp.zeros((2,), jnp.int32))
+  step, params = jnp.zeros((1,), jnp.int32), jnp.ones((3, 2), jnp.float32)
+  kw = dict(config=jm.KernelConfig(method="fused", block_b=16, block_v=32,
+                                   block_k=16),
+            num_steps=1, num_cache_rows=2, interpret=True)
+  slots = jnp.full((v,), -1, jnp.int32).at[:vd].set(jnp.arange(vd))
+  columns = jnp.arange(vd, dtype=jnp.int32)
+  with pytest.raises(ValueError, match="greedy drafting"):
+    block_pass(base, head, step, params, columns=columns, **kw)
+  with pytest.raises(ValueError, match="slots is for sampling"):
+    block_pass(base, head, step, None, slots=slots, no_cache=True, **kw)
+  with pytest.raises(ValueError, match="slots must be int32"):
+    block_pass(base, head, step, params, slots=slots.astype(jnp.int16), **kw)
+  with pytest.raises(ValueError, match="one entry per cache column"):
+    block_pass(base, head, step, params, slots=slots,
+               cache=jnp.zeros((2, 48), jnp.float32), **kw)
+  cache, bmax, bsum, barg = block_pass(base, head, step, params, slots=slots,
+                                       **kw)
+  chex.assert_shape(cache, (2, v))
+  chex.assert_shape((bmax, bsum, barg), (2, 2))
+  # Target columns past the draft vocabulary (slot -1) are -inf; a block with
+  # no mapped column names no argmax.
+  assert (np.asarray(cache)[:, vd:] == -np.inf).all()
+  np.testing.assert_array_equal(np.asarray(barg)[:, 1], [0 + 32, 0 + 32])
+  with pytest.raises(ValueError, match="greedy drafting"):
+    select_pass(bmax, bsum, barg, cache, step, params, config=kw["config"],
+                num_steps=1, columns=columns, interpret=True)
+  # Target block 0 (columns 0-31) maps nothing, block 1 twenty draft columns.
+  empty = jnp.full((v,), -1, jnp.int32).at[32:52].set(jnp.arange(20))
+  _, bmax, _, barg = block_pass(base, head, step, params, slots=empty, **kw)
+  np.testing.assert_array_equal(np.asarray(barg)[:, 0], [-1, -1])
+  assert (np.asarray(bmax)[:, 0] == -np.inf).all()
+
+
 def test_block_pass_tail_needs_counters():
   from jax_markov.kernels.block_pass import block_pass
   base = jnp.zeros((2, 64), jnp.float32)
