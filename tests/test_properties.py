@@ -123,6 +123,78 @@ def test_sample_draft_properties(problem):
   assert (tokens[~drawable] == 0).all()
 
 
+# (B, S, Vd, V, R, dtype): a reduced draft vocabulary of Vd of the V target
+# ids. Vd == V (a permutation), Vd much smaller than V (target blocks that no
+# draft id maps to), and one in between.
+MAPPED_SHAPES = [(2, 3, 20, 37, 5, "bf16"), (3, 2, 100, 300, 8, "fp32"),
+                 (1, 3, 129, 129, 4, "fp16"), (4, 2, 7, 200, 8, "fp32")]
+MAPPED_CONFIGS = [
+    None,
+    jm.KernelConfig(method="fused", block_b=16, block_v=16, block_k=16),
+    jm.KernelConfig(method="fused", block_b=1, block_v=16, block_k=16,
+                    bias_dot="fma", select="tail")]
+
+
+@st.composite
+def mapped_problems(draw):
+  B, S, vd, V, R, dtype = draw(st.sampled_from(MAPPED_SHAPES))
+  rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+  patterns = draw(st.lists(st.sampled_from(PATTERNS), min_size=B * S,
+                           max_size=B * S))
+  base = _base(rng, B, S, vd, patterns, dtype)
+  head = jm.MarkovHead(
+      jnp.asarray(0.3 * rng.standard_normal((V, R)), DTYPES[dtype]),
+      jnp.asarray(0.3 * rng.standard_normal((vd, R)), DTYPES[dtype]))
+  # Any order: a random subset of the target ids in a random order.
+  d2t = np.asarray(draw(st.permutations(range(V)))[:vd], np.int32)
+  anchor = np.asarray(draw(st.lists(st.integers(0, V - 1), min_size=B,
+                                    max_size=B)), np.int32)
+  start = draw(st.lists(st.integers(0, 2**31 - S), min_size=B, max_size=B))
+  positions = (np.asarray(start, np.int64)[:, None]
+               + np.arange(S)).astype(np.int32)
+  t = np.asarray(draw(st.lists(st.sampled_from(TEMPERATURES), min_size=B,
+                               max_size=B)), np.float32)
+  seeds = draw(st.lists(st.integers(-2**63, 2**64 - 1), min_size=B,
+                        max_size=B))
+  # The interpreter's default is one block for these vocabularies: small
+  # blocks give target blocks that no draft id maps to.
+  config = draw(st.sampled_from(MAPPED_CONFIGS))
+  return (base, anchor, head, t, seeds, positions), d2t, config
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(mapped_problems())
+def test_reduced_vocabulary_properties(problem):
+  """sample_draft with draft_to_target in any order: tokens are mapped target
+  ids, the logits are -inf at every unmapped id, the draft satisfies the
+  contract over the target row (the problem rewritten over V: -inf base and
+  zero proj rows at the unmapped ids) and agrees with jm.reference; a row
+  with nothing drawable draws the lowest mapped id."""
+  args, d2t, config = problem
+  base, anchor, head, t, seeds, positions = args
+  B, S, vd = base.shape
+  V = head.embed.shape[0]
+  draft = jm.sample_draft(*args, draft_to_target=d2t, config=config)
+  chex.assert_shape(draft.tokens, (B, S))
+  chex.assert_type(draft.tokens, jnp.int32)
+  chex.assert_shape(draft.logits, (B, S, V))
+  tokens, x = np.asarray(draft.tokens), np.asarray(draft.logits)
+  assert np.isin(tokens, d2t).all()
+  unmapped = np.setdiff1d(np.arange(V), d2t)
+  assert (x[..., unmapped] == -np.inf).all()
+  ref = jm.reference.sample_draft(*args, draft_to_target=d2t)
+  base_t = np.full((B, S, V), -np.inf, np.float32)
+  base_t[..., d2t] = np.asarray(base, np.float32)
+  proj_t = np.zeros((V, head.proj.shape[1]), np.float32)
+  proj_t[d2t] = np.asarray(head.proj, np.float32)
+  head_t = jm.MarkovHead(np.asarray(head.embed, np.float32), proj_t)
+  u = np.asarray(jm.draft_uniforms(seeds, positions))
+  drawable = (~np.isnan(x) & (x > -np.inf)).any(-1)
+  assert_drafts_agree(tuple(draft), ref, base_t, anchor, head_t,
+                      np.broadcast_to(t[:, None], (B, S)), u, rows=drawable)
+  assert (tokens[~drawable] == d2t.min()).all()
+
+
 @st.composite
 def into_problems(draw):
   B, S, V, R, N, dtype = draw(st.sampled_from(INTO_SHAPES))
