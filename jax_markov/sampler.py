@@ -401,8 +401,8 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
       logits come back over the target vocabulary, -inf at every target id no
       draft id maps to, and the tokens are target ids, drawn by the rule over
       that target row (so in target-id order, ties to the lowest target id).
-      Only the Vd mapped columns are computed; a map that is not increasing
-      costs a permuted copy of base and proj (see docs/api.md).
+      Base and proj are read only at the Vd mapped columns; an unmapped
+      column costs a -inf store; any map order costs the same (docs/api.md).
     target_vocab: with draft_to_target, the target vocabulary V (the logits'
       width); None: head.embed's rows.
 
@@ -522,7 +522,9 @@ def greedy_draft(base_logits, anchor_tokens, head: MarkovHead, *,
     head: the Markov head (embed [V_in, R], proj [V or Vd, R]).
     draft_to_target: int [Vd] or None, a reduced draft vocabulary as in
       :func:`sample_draft`: the tokens are then target ids, the argmax in
-      target-id order over the mapped ids.
+      target-id order over the mapped ids. Only the Vd draft columns are
+      computed (nothing is stored); a map not known to be increasing is
+      sorted in the call, with a permuted copy of base and proj.
     target_vocab: with draft_to_target, the target vocabulary V (checked
       against the map's values); None: head.embed's rows.
     interpret: run the Pallas kernels in interpret mode; None picks it on any
