@@ -54,6 +54,29 @@ def candidates(batch: int):
                        block_v=bv, block_k=bk, num_warps=w, num_stages=st)
 
 
+def persistent_candidates(batch: int):
+  """The persistent draft (one launch a draft): request tiles on the CUDA
+  cores (a few requests) or the tensor cores (16 or more rows, padded), with
+  0 to 3 blocks of proj held on chip across the steps (with the tensor
+  cores Triton keeps a held block in shared memory, 64 KB each at 128 x 256;
+  three fit beside the pipeline's buffers, read from ptxas on the CPU)."""
+  common_kw = dict(method="fused", select="persistent", num_stages=2)
+  if batch <= 4:
+    tile = min(4, batch)
+    for bv, bk, w, held in ((128, 64 if tile == 1 else 32, 8, 0),
+                            (128, 64 if tile == 1 else 32, 8, 1),
+                            (256, 64, 8, 0)):
+      yield KernelConfig(**common_kw, block_b=tile, bias_dot="fma",
+                         block_v=bv, block_k=bk, num_warps=w,
+                         held_blocks=held)
+  tiles = (16,) if batch <= 16 else (16, 32, 64)
+  for bb in tiles:
+    for held in ((0, 1, 2, 3) if bb == 16 else (0,)):
+      yield KernelConfig(**common_kw, block_b=bb, bias_dot="mma",
+                         block_v=128, block_k=64, num_warps=8,
+                         held_blocks=held)
+
+
 def captured_draft(shape, batch, inputs, temperature):
   """A native-runtime hook's draft on the synthetic inputs, captured.
 
@@ -117,6 +140,9 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=30)
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--out", default=None)
+  p.add_argument("--grid", default="tiles", choices=("tiles", "persistent"),
+                 help="tiles: step-by-step tiles near the table's; "
+                 "persistent: the one-launch draft (persistent_candidates)")
   args = p.parse_args(argv)
   if not torch.cuda.is_available():
     print("tune_graph needs a CUDA GPU", file=sys.stderr)
@@ -128,7 +154,9 @@ def main(argv=None):
     default = tuning.choose("fused", batch, shape.V, shape.R,
                             interpret=False)
     seen, ref_tokens = [], None
-    for cfg in [default, *candidates(batch)]:
+    grid = (candidates if args.grid == "tiles" else
+            persistent_candidates)(batch)
+    for cfg in [default, *grid]:
       if cfg in seen:
         continue
       seen.append(cfg)

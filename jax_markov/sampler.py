@@ -12,7 +12,6 @@ embedding row itself): nothing returns to the host.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -358,9 +357,7 @@ def _config(config, method, batch, vocab, rank, interpret, stepwise=False):
                        f"{config.method!r}")
     return config
   config = tuning.choose(method, batch, vocab, rank, interpret=interpret)
-  if stepwise and config.select == "persistent":
-    config = dataclasses.replace(config, select="tail", programs=0)
-  return config
+  return tuning.stepwise(config) if stepwise else config
 
 
 def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,

@@ -71,18 +71,20 @@ def test_methods_agree_at_deepseek_v4_shape():
   assert_sample_drafts_agree(a, ref, *args)
 
 
-def _assert_selects_draw_alike(B, seed, selects):
-  """25 drafts at the DeepSeek-V4 shape with the same tile and each select:
-  the same draft within float32 rounding (assert_drafts_agree: logits within
-  Higham's bound, tokens equal wherever the draw is decided beyond it). Two
-  compiled programs need not round alike; a stale read would move logits far
-  past the bound or draw a token away from any CDF boundary."""
+def _assert_selects_draw_alike(B, seed, selects, configs=None):
+  """25 drafts at the DeepSeek-V4 shape with the same tile and each select
+  (or each of ``configs``): the same draft within float32 rounding
+  (assert_drafts_agree: logits within Higham's bound, tokens equal wherever
+  the draw is decided beyond it). Two compiled programs need not round
+  alike; a stale read would move logits far past the bound or draw a token
+  away from any CDF boundary."""
   base, anchor, head, _, _, pos = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"],
                                                jnp.bfloat16, seed=seed, head_scale=0.1)
   rng = np.random.default_rng(seed)
-  configs = [jm.KernelConfig(method="fused", block_b=1, block_v=128,
-                             block_k=64, num_warps=4, num_stages=3,
-                             bias_dot="fma", select=s) for s in selects]
+  if configs is None:
+    configs = [jm.KernelConfig(method="fused", block_b=1, block_v=128,
+                               block_k=64, num_warps=4, num_stages=3,
+                               bias_dot="fma", select=s) for s in selects]
   for _ in range(25):
     anchor = jnp.asarray(rng.integers(0, DSV4["V"], B), jnp.int32)
     t = jnp.asarray(rng.choice([0.0, 0.6, 1.0, 1.5], B), jnp.float32)
@@ -125,6 +127,30 @@ def test_persistent_draft_matches_block_pass_at_deepseek_v4_shape(B):
   step-by-step kernels'; a stale read at the barrier would show as a
   different token."""
   _assert_selects_draw_alike(B, 32, ("pass", "persistent"))
+
+
+@pytest.mark.parametrize("B,tile", [
+    (1, (1, 128, 64, "fma", 8, 1)),     # one request, one block held
+    (1, (1, 256, 64, "fma", 8, 0)),
+    (4, (4, 128, 32, "fma", 8, 1)),     # a tile of 4 on the CUDA cores
+    (5, (4, 128, 32, "fma", 8, 1)),     # two tiles, the second padded
+    (16, (16, 128, 64, "mma", 8, 1)),   # the tensor cores, one held block
+    (64, (16, 128, 64, "mma", 4, 0)),   # four tiles; owners draw 64 tokens
+])
+def test_persistent_draft_tiles_and_held_proj_at_deepseek_v4_shape(B, tile):
+  """The persistent draft with request tiles and proj held in registers
+  across the steps: the draft of the step-by-step kernels (select pass) over
+  25 drafts. With B > 1 each token is drawn by one program and published
+  through the second counter: a token read before its owner stored it would
+  make the next step's logits miss the bound."""
+  block_b, block_v, block_k, bias_dot, warps, held = tile
+  step = jm.KernelConfig(method="fused", block_b=16, block_v=128, block_k=64,
+                         num_warps=4, num_stages=3)
+  draft = jm.KernelConfig(method="fused", block_b=block_b, block_v=block_v,
+                          block_k=block_k, num_warps=warps, num_stages=2,
+                          bias_dot=bias_dot, select="persistent",
+                          held_blocks=held)
+  _assert_selects_draw_alike(B, 33, None, configs=[step, draft])
 
 
 from test_draft_vocab import *  # noqa: F401,F403,E402  (re-collected under the gpu mark)

@@ -102,6 +102,12 @@ CONFIGS = [
     (_config(method="fused", block_b=1, block_v=256, block_k=128,
              num_warps=8, num_stages=2, bias_dot="fma", select="persistent"),
      1),
+    (_config(method="fused", block_b=16, block_v=128, block_k=64,
+             num_warps=8, num_stages=2, select="persistent", held_blocks=1),
+     1),
+    (_config(method="fused", block_b=4, block_v=128, block_k=32,
+             num_warps=8, num_stages=2, bias_dot="fma", select="persistent",
+             held_blocks=2), 1),
 ]
 
 

@@ -105,6 +105,43 @@ def test_every_mode_lowers_and_compiles(tmp_path, greedy, draft_vocab):
         assert native.compile_kernel(ir, path, (9, 0)).asm["cubin"], name
 
 
+@pytest.mark.parametrize("bucket,tile", [
+    (1, dict(block_b=1, block_v=128, block_k=64, bias_dot="fma",
+             num_warps=8, held_blocks=1)),
+    (16, dict(block_b=16, block_v=128, block_k=64, bias_dot="mma",
+              num_warps=8, held_blocks=1)),
+])
+def test_persistent_draft_is_planned_as_one_launch(tmp_path, monkeypatch,
+                                                   bucket, tile):
+  """Where the table picks the persistent draft, a bucket is draw_params and
+  one draft pass (its counters bound to the scratch the plan zeroes), sized
+  by the multiprocessors given; a reduced vocabulary or greedy drafting runs
+  the same entry step by step."""
+  import dataclasses
+  from jax_markov.kernels import tuning
+  cfg = jm.KernelConfig(method="fused", num_stages=2, select="persistent",
+                        **tile)
+  monkeypatch.setattr(tuning, "choose", lambda *a, **k: cfg)
+  cache = native.IRCache(str(tmp_path))
+  shape = _shape(256, 7, 129280, 256)
+  kernels = native_plan.lower_bucket(shape, bucket, cache, (9, 0), 132)
+  assert set(kernels) == {"draw_params", "draft_pass"}
+  ir, path, names = kernels["draft_pass"]
+  _well_formed(ir)
+  assert ir.grid == (132, 1, 1)
+  assert names == ["base", "embed", "proj", "anchors", "params", "cache_rows",
+                   "cache", "counters", "cache", "block_max", "block_sum",
+                   "block_argmax", "tokens", "counters"]
+  assert native_plan.stat_rows(shape, bucket) == bucket * 7
+  if _TRITON:
+    assert native.compile_kernel(ir, path, (9, 0)).asm["cubin"]
+  for other in (dataclasses.replace(shape, greedy=True),
+                dataclasses.replace(shape, draft_vocab=32768)):
+    stepwise = native_plan.lower_bucket(other, bucket, cache, (9, 0), 132)
+    assert "draft_pass" not in stepwise and "block_pass" in stepwise
+    assert native_plan.stat_rows(other, bucket) == bucket
+
+
 def test_ir_cache_hits_and_keys(tmp_path):
   cache = native.IRCache(str(tmp_path))
   shape = _shape(4, 2, 64, 8)

@@ -414,4 +414,26 @@ def test_persistent_draft_agrees(block_v, block_k, serpentine):
                                            serpentine=serpentine))
 
 
+@pytest.mark.parametrize("tile", [
+    dict(block_b=1, bias_dot="fma", held_blocks=2),
+    dict(block_b=2, bias_dot="fma", held_blocks=1),   # three tiles of 2
+    dict(block_b=16, bias_dot="mma", held_blocks=1),  # one padded tile
+    dict(block_b=4, bias_dot="fma", held_blocks=99),  # every block held
+])
+def test_persistent_draft_with_tiles_and_held_proj_agrees(tile):
+  """The persistent draft with request tiles (owners draw, the next step
+  reads the published tokens) and proj held across the steps: the draft of
+  the step-by-step kernels and of the reference, both layouts."""
+  args = make_problem(5, 3, 300, 80, seed=34,
+                      temperature=np.array([1.0, 0.0, 1.0, 0.7, 0.0]))
+  config = jm.KernelConfig(method="fused", block_v=64, block_k=16,
+                           select="persistent", **tile)
+  draft = jm.sample_draft(*args, config=config)
+  stepwise = jm.sample_draft(*args, config=jm.KernelConfig(
+      method="fused", block_b=1, block_v=64, block_k=16, bias_dot="fma"))
+  assert_sample_drafts_agree(draft, stepwise, *args)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
+  _check_changing_rows(35, config)
+
+
 METHODS_AND_TILES = [("fused", 16), ("xla_bias", 1)]

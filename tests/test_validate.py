@@ -98,14 +98,21 @@ def test_bad_method_and_config(args):
     fused(block_b=16, block_v=128, proj_l2_rows=-1)
   with pytest.raises(ValueError, match="needs the fused method"):
     xla_bias(block_v=128, proj_l2_rows=1024)
-  # The persistent draft: one request a program, the bias on the CUDA cores.
-  for kw in (dict(block_b=16), dict(block_b=16, bias_dot="mma"),
-             dict(proj_l2_rows=128)):
-    fields = dict(block_b=1, block_v=128, bias_dot="fma", select="persistent")
-    with pytest.raises(ValueError, match="select='persistent' needs"):
-      fused(**{**fields, **kw})
+  # The persistent draft: the fused bias (any request tile, either dot), no
+  # cache hints; held_blocks is its own.
+  fields = dict(block_b=1, block_v=128, bias_dot="fma", select="persistent")
+  with pytest.raises(ValueError, match="select='persistent' needs"):
+    fused(**fields, proj_l2_rows=128)
   with pytest.raises(ValueError, match="select='persistent' needs"):
     xla_bias(block_v=128, bias_dot="fma", select="persistent")
+  fused(block_b=16, block_v=128, bias_dot="mma", select="persistent",
+        held_blocks=2)
+  fused(**{**fields, "block_b": 4}, held_blocks=1)
+  with pytest.raises(ValueError, match="held_blocks must be >= 0"):
+    fused(**fields, held_blocks=-1)
+  with pytest.raises(ValueError, match="held_blocks must be >= 0"):
+    fused(block_b=1, block_v=128, bias_dot="fma", select="tail",
+          held_blocks=1)
   with pytest.raises(ValueError, match="programs must be >= 0"):
     fused(block_b=1, block_v=128, bias_dot="fma", programs=4)
   with pytest.raises(ValueError, match="programs must be >= 0"):
@@ -113,8 +120,8 @@ def test_bad_method_and_config(args):
           programs=-1)
 
 def test_persistent_draft_refuses_programs_that_could_wait_forever(args):
-  """The barrier needs every program of a request resident: more than one in
-  the interpreter (programs run in turn), or more than the multiprocessors,
+  """The barriers need every program resident: more than one in the
+  interpreter (programs run in turn), or more than the multiprocessors,
   would wait forever, so they are refused before anything runs."""
   from jax_markov.kernels.draft_pass import check_programs
   config = jm.KernelConfig(method="fused", block_b=1, block_v=64, block_k=16,
@@ -122,13 +129,13 @@ def test_persistent_draft_refuses_programs_that_could_wait_forever(args):
   with pytest.raises(ValueError, match="needs programs=1"):
     jm.sample_draft(*args, config=config, interpret=True)
   with pytest.raises(ValueError, match="multiprocessors"):
-    check_programs(4, 40, interpret=False, num_sms=132)
+    check_programs(133, interpret=False, num_sms=132)
   with pytest.raises(ValueError, match="multiprocessors"):
-    check_programs(1, 2, interpret=False, num_sms=None)
+    check_programs(2, interpret=False, num_sms=None)
   with pytest.raises(ValueError, match="programs must be >= 1"):
-    check_programs(1, 0, interpret=False, num_sms=132)
-  check_programs(2, 66, interpret=False, num_sms=132)  # one a multiprocessor
-  check_programs(512, 1, interpret=False, num_sms=132)  # each waits for itself
+    check_programs(0, interpret=False, num_sms=132)
+  check_programs(132, interpret=False, num_sms=132)  # one a multiprocessor
+  check_programs(1, interpret=False, num_sms=None)  # it waits for itself
 
 
 def test_block_pass_checks_its_operands():

@@ -329,7 +329,22 @@ class Launch:
                  *args)
 
 
-def run_plan(launches: Sequence[Launch], bindings: dict, stream: int) -> None:
+class Zero:
+  """A step of a plan that zeroes a torch tensor (a memset node when captured).
+
+  It runs on torch's current stream, which is the stream the runtime passes
+  to :func:`run_plan` (the hook always launches on the current stream).
+  """
+
+  def __init__(self, tensor):
+    self.tensor = tensor
+
+  def __call__(self, bindings: dict, stream: int) -> None:
+    del bindings, stream
+    self.tensor.zero_()
+
+
+def run_plan(launches: Sequence[Launch | Zero], bindings: dict, stream: int) -> None:
   """Launches a plan's kernels in order on ``stream``."""
   for launch in launches:
     launch(bindings, stream)

@@ -24,8 +24,10 @@ import torch
 
 from jax_markov.kernels import tuning
 from jax_markov.kernels import block_pass as block_pass_module
+from jax_markov.kernels import draft_pass as draft_pass_module
 from jax_markov.kernels import select_pass as select_pass_module
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
+from jax_markov.kernels.draft_pass import draft_pass
 from jax_markov.kernels.draw_params import ParamsLayout, draw_params
 from jax_markov.kernels.select_pass import select_pass
 from torch_bridge import native
@@ -88,12 +90,25 @@ class DraftShape:
     return {k: str(v) for k, v in dataclasses.asdict(self).items()}
 
 
-def config(bucket: int, vocab: int, rank: int) -> tuning.KernelConfig:
-  """The table's fused configuration, run step by step."""
+def config(bucket: int, vocab: int, rank: int, *,
+           stepwise: bool = False) -> tuning.KernelConfig:
+  """The table's fused configuration; ``stepwise`` (a reduced vocabulary,
+  greedy drafting): run step by step, as the sampler runs it."""
   cfg = tuning.choose("fused", bucket, vocab, rank, interpret=False)
-  if cfg.select == "persistent":  # one launch with a barrier: not planned
-    cfg = dataclasses.replace(cfg, select="tail", programs=0)
-  return cfg
+  return tuning.stepwise(cfg) if stepwise else cfg
+
+
+def shape_config(shape: DraftShape, bucket: int) -> tuning.KernelConfig:
+  """The configuration a bucket of ``shape`` runs."""
+  return config(bucket, shape.grid_vocab, shape.rank,
+                stepwise=shape.mapped or shape.greedy)
+
+
+def stat_rows(shape: DraftShape, bucket: int) -> int:
+  """Rows of the block statistics: one a request (step by step, reused
+  every step) or one a draw (the persistent draft)."""
+  persistent = shape_config(shape, bucket).select == "persistent"
+  return bucket * shape.steps if persistent else bucket
 
 
 def num_blocks(vocab: int, cfg: tuning.KernelConfig) -> int:
@@ -119,19 +134,26 @@ def operands(inputs, outputs, given_in, given_out) -> list[str]:
 
 
 def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
-                 capability: tuple[int, int] | None = None) -> dict:
+                 capability: tuple[int, int] | None = None,
+                 num_sms: int | None = None) -> dict:
   """Lowers a bucket's kernels (no GPU needed) for a CUDA capability.
 
+  num_sms: the GPU's multiprocessors, which size the persistent draft's
+  grid (needed where the table picks it).
+
   Returns:
-    {kernel: (KernelIR, ttir path, operand names)} for "draw_params",
-    "block_pass" and "select_pass" (unless the block pass draws, tail).
+    {kernel: (KernelIR, ttir path, operand names)} for "draw_params" and
+    either "draft_pass" (the persistent draft) or "block_pass" and
+    "select_pass" (unless the block pass draws, tail).
   """
   sh, bp = shape, bucket
   m, s, v, vd, r = sh.max_num_reqs, sh.steps, sh.vocab, sh.vd, sh.rank
   grid = sh.grid_vocab
-  cfg = config(bp, grid, r)
+  cfg = shape_config(sh, bp)
   words = dict(sh.words)
   desc = {"shape": sh.describe(), "bucket": bp, "config": repr(cfg)}
+  if cfg.select == "persistent":
+    desc["num_sms"] = num_sms
   i32, f32 = jnp.int32, jnp.float32
   out = {}
 
@@ -151,6 +173,26 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
                         [*specs, "params", "cache_rows", "anchors"])
 
   cache_spec = _spec((m * s, v), f32)
+  if cfg.select == "persistent":
+    def draft_call(base, embed, proj, anchors, params, cache_rows, cache,
+                   counters):
+      del counters  # made by draft_pass; the runtime zeroes its own
+      return draft_pass(base, embed, proj, anchors, params, cache_rows, cache,
+                        config=cfg, num_steps=s, num_cache_rows=m * s,
+                        num_sms=num_sms)
+
+    specs = dict(base=_spec((bp * s, v), sh.base_dtype),
+                 embed=_spec((sh.vocab_in, r), sh.head_dtype),
+                 proj=_spec((v, r), sh.head_dtype), anchors=_spec((bp,), i32),
+                 params=_spec((3, bp * s), f32),
+                 cache_rows=_spec((bp * s,), i32), cache=cache_spec,
+                 counters=_spec((draft_pass_module.NUM_COUNTERS,), i32))
+    out["draft_pass"] = (
+        *_lower(ir_cache, {**desc, "kernel": "draft_pass"}, draft_call, specs,
+                capability),
+        operands(draft_pass_module.INPUTS, draft_pass_module.OUTPUTS, specs,
+                 draft_pass_module.OUTPUTS))
+    return out
   tail = cfg.select == "tail"
   # The map: sampling walks the target columns by slot, greedy drafting
   # the draft columns (tokens mapped by columns in the select).
@@ -228,18 +270,22 @@ class DraftPlans:
     self.steps[:, 0] = torch.arange(s, **i32)
     self.counts = torch.zeros((m + 1, ROW), **i32)
     self.counts[:, 0] = torch.arange(m + 1, **i32)
+    self.num_sms = torch.cuda.get_device_properties(
+        device).multi_processor_count
     # Scratch for the largest bucket; a bucket uses the leading part.
     grid = shape.grid_vocab
-    nb_max = max(num_blocks(grid, config(b, grid, shape.rank))
-                 for b in buckets)
+    stats = max(stat_rows(shape, b) * num_blocks(grid, shape_config(shape, b))
+                for b in buckets)
     self.params = torch.empty(3 * m * s, dtype=torch.float32, device=device)
     self.cache_rows = torch.empty(m * s, **i32)
     self.anchors = torch.empty(m, **i32)
     self.tokens = torch.zeros(m * s, **i32)
-    self.bmax = torch.empty(m * nb_max, dtype=torch.float32, device=device)
-    self.bsum = torch.empty(m * nb_max, dtype=torch.float32, device=device)
-    self.barg = torch.empty(m * nb_max, **i32)
-    self.counters = torch.zeros(m, **i32)  # the tail select leaves them at 0
+    self.bmax = torch.empty(stats, dtype=torch.float32, device=device)
+    self.bsum = torch.empty(stats, dtype=torch.float32, device=device)
+    self.barg = torch.empty(stats, **i32)
+    # The tail select leaves its counters at 0; the persistent draft's are
+    # zeroed before each launch (native.Zero).
+    self.counters = torch.zeros(max(m, draft_pass_module.NUM_COUNTERS), **i32)
     self.pad = torch.zeros((m, s, shape.vd), dtype=shape.base_dtype,
                            device=device)
     self._plans: dict[int, list[native.Launch]] = {}
@@ -271,7 +317,8 @@ class DraftPlans:
                  block_argmax=ptr(self.barg), counters=ptr(self.counters))
     launches = []
     for name, (ir, path, names) in lower_bucket(
-        self.shape, bp, self.ir_cache, self.capability).items():
+        self.shape, bp, self.ir_cache, self.capability,
+        self.num_sms).items():
       kernel = native.compile_kernel(ir, path, self.capability)
       steps = range(self.shape.steps) if name in ("block_pass",
                                                   "select_pass") else (None,)
@@ -281,7 +328,13 @@ class DraftPlans:
           table["step"] = ptr(self.steps[step])
         launches.append((name, step, native.Launch(
             ir, kernel, [table.get(n, n) for n in names])))
-    # In draft order: draw_params, then block [select] a step.
-    rank = {"draw_params": 0, "block_pass": 1, "select_pass": 2}
+      if name == "draft_pass":
+        # Its barriers count up from 0 every draft.
+        launches.append(("zero_counters", None, native.Zero(
+            self.counters[:draft_pass_module.NUM_COUNTERS])))
+    # In draft order: draw_params, then block [select] a step, or the
+    # counters zeroed and the draft pass.
+    rank = {"draw_params": 0, "zero_counters": 1, "draft_pass": 2,
+            "block_pass": 1, "select_pass": 2}
     launches.sort(key=lambda x: (x[1] is not None, x[1] or 0, rank[x[0]]))
     return [launch for _, _, launch in launches]

@@ -101,6 +101,30 @@ def block_statistics(x, v_mask, scale, v0):
   return y_max, y_sum, y_arg
 
 
+def bias_chunk(acc, emb, proj, *, bias_dot: str, precision):
+  """acc + emb @ proj.T for one rank chunk (shared with the draft pass).
+
+  Args:
+    acc: float32 [block_b, block_v].
+    emb: [block_b, block_k] embedding rows of the previous tokens.
+    proj: [block_v, block_k] proj rows of the tile's columns.
+    bias_dot: "fma" (CUDA cores) or "mma" (tensor cores).
+    precision: the dot's precision (HIGHEST for float32 weights).
+  """
+  if bias_dot == "fma":
+    # CUDA cores: products summed over k, with no shared-memory staging: at
+    # a few requests the proj tile goes from HBM straight to registers.
+    if emb.shape[0] == 1:  # a 2D product: no 3D layout for Triton to convert
+      prod = proj.astype(jnp.float32) * emb.astype(jnp.float32)
+      return acc + jnp.sum(prod, axis=1)[None, :]
+    prod = (emb.astype(jnp.float32)[:, None, :]
+            * proj.astype(jnp.float32)[None, :, :])
+    return acc + jnp.sum(prod, axis=2)
+  return acc + jax.lax.dot_general(emb, proj, (((1,), (1,)), ((), ())),
+                                   precision=precision,
+                                   preferred_element_type=jnp.float32)
+
+
 def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                        steps: int, vocab: int, rank: int, keep_blocks: int,
                        precision, no_cache: bool):
@@ -155,8 +179,18 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # rest of proj) leaves L2 first, so the first keep_blocks blocks of proj,
   # which every step reads again, stay there from one step to the next.
   stream = "evict_first" if keep_blocks else None
-  x = plgpu.load(base_ref.at[draw[:, None], d_cols[None, :]], mask=tile_mask,
-                 other=0, eviction_policy=stream).astype(jnp.float32)
+  if slots_ref is None:
+    x = plgpu.load(base_ref.at[draw[:, None], d_cols[None, :]],
+                   mask=tile_mask, other=0, eviction_policy=stream)
+  else:
+    # Gathered as [columns, requests] and transposed: triton 3.6 gives a
+    # gathered tile's dim 0 to a warp's 32 threads, so in [requests, columns]
+    # a warp's load touched 32 rows' sectors (161 against 109 us a step at
+    # B = 256; docs/perf-notes.md change 29); along the columns it reads 64
+    # contiguous bytes of one row.
+    x = plgpu.load(base_ref.at[draw[None, :], d_cols[:, None]],
+                   mask=tile_mask.T, other=0, eviction_policy=stream).T
+  x = x.astype(jnp.float32)
   if fused:
     # The previous token of each request: its anchor at step 0, else what the
     # select pass drew at step - 1. Its embedding row is gathered here, so no
@@ -179,18 +213,8 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       proj = plgpu.load(proj_ref.at[v_rows, k_cols],
                         mask=d_mask[:, None] & (k_cols < rank), other=0,
                         eviction_policy=proj_policy)
-      if bias_dot == "fma":
-        # CUDA cores: products summed over k, with no shared-memory staging:
-        # at a few requests the proj tile goes from HBM straight to registers.
-        if block_b == 1:  # a 2D product: no 3D layout for Triton to convert
-          prod = proj.astype(jnp.float32) * emb.astype(jnp.float32)
-          return acc + jnp.sum(prod, axis=1)[None, :]
-        prod = (emb.astype(jnp.float32)[:, None, :]
-                * proj.astype(jnp.float32)[None, :, :])
-        return acc + jnp.sum(prod, axis=2)
-      return acc + jax.lax.dot_general(emb, proj, (((1,), (1,)), ((), ())),
-                                       precision=precision,
-                                       preferred_element_type=jnp.float32)
+      return bias_chunk(acc, emb, proj, bias_dot=bias_dot,
+                        precision=precision)
 
     num_chunks = pl.cdiv(rank, block_k)
 

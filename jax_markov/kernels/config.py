@@ -44,12 +44,15 @@ class KernelConfig:
       a few requests).
     select: "pass" draws in a second launch a step (the select pass); "tail"
       (fused, block_b = 1) draws in the block pass's program that finishes
-      the step last, one launch a step; "persistent" (fused, block_b = 1,
-      bias_dot="fma") runs the whole draft in one launch of persistent
-      programs that meet at a barrier each step and all draw
-      (kernels/draft_pass.py).
-    programs: with select="persistent", programs per request; 0: one per
-      multiprocessor split over the requests (1 in the interpreter).
+      the step last, one launch a step; "persistent" (fused) runs the
+      whole draft in one launch of persistent programs that meet at a
+      barrier each step (kernels/draft_pass.py).
+    programs: with select="persistent", the programs of the launch (each
+      takes every P-th vocabulary block for every request); 0: one a
+      multiprocessor (1 in the interpreter).
+    held_blocks: with select="persistent", blocks of block_v proj rows each
+      program loads once and keeps in registers for all S steps (the rest
+      of proj streams every step); 0: none.
     proj_l2_rows: fused only: the first proj_l2_rows rows of proj stay in L2
       across the steps (an evict_last hint on their loads, evict_first on
       every other stream); 0: no cache hints.
@@ -68,6 +71,7 @@ class KernelConfig:
   select: str = "pass"
   proj_l2_rows: int = 0
   programs: int = 0
+  held_blocks: int = 0
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -90,22 +94,24 @@ class KernelConfig:
       # by the thread that also counts, so the count's release covers them.
       raise ValueError("select='tail' needs the fused method with block_b=1, "
                        f"got method={self.method!r}, block_b={self.block_b}")
-    if self.select == "persistent" and not (fused and self.block_b == 1
-                                            and self.bias_dot == "fma"
+    if self.select == "persistent" and not (fused
                                             and self.proj_l2_rows == 0):
-      # kernels/draft_pass.py: one request a program, the bias on the CUDA
-      # cores, no cache hints.
+      # kernels/draft_pass.py: the fused bias, no cache hints (it holds proj
+      # in registers instead).
       raise ValueError(
-          "select='persistent' needs the fused method with block_b=1, "
-          f"bias_dot='fma' and proj_l2_rows=0, got method={self.method!r}, "
-          f"block_b={self.block_b}, bias_dot={self.bias_dot!r}, "
-          f"proj_l2_rows={self.proj_l2_rows}")
+          "select='persistent' needs the fused method and proj_l2_rows=0, "
+          f"got method={self.method!r}, proj_l2_rows={self.proj_l2_rows}")
     if self.proj_l2_rows < 0 or (self.proj_l2_rows and not fused):
       raise ValueError("proj_l2_rows must be >= 0 and needs the fused method, "
                        f"got {self.proj_l2_rows} (method={self.method!r})")
     if self.programs < 0 or (self.programs and self.select != "persistent"):
       raise ValueError("programs must be >= 0 and is for select='persistent', "
                        f"got {self.programs} with select={self.select!r}")
+    if self.held_blocks < 0 or (self.held_blocks
+                                and self.select != "persistent"):
+      raise ValueError("held_blocks must be >= 0 and is for "
+                       f"select='persistent', got {self.held_blocks} with "
+                       f"select={self.select!r}")
 
   @property
   def fused(self) -> bool:

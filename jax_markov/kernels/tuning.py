@@ -23,6 +23,7 @@ entry on the H200 (docs/perf-notes.md), so it does not earn the default.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from jax_markov.kernels.config import METHODS, KernelConfig
@@ -74,6 +75,17 @@ def default_method(batch: int, vocab: int, rank: int) -> str:
   """
   del batch, vocab, rank
   return "fused"
+
+
+def stepwise(config: KernelConfig) -> KernelConfig:
+  """A persistent configuration run step by step, the same tile: the tail
+  select with one request a tile, else the select pass. For what the
+  one-launch draft does not run (a reduced vocabulary, greedy drafting)."""
+  if config.select != "persistent":
+    return config
+  return dataclasses.replace(
+      config, select="tail" if config.block_b == 1 else "pass", programs=0,
+      held_blocks=0)
 
 
 @functools.lru_cache(maxsize=256)  # runs on every call of the sampler
