@@ -55,26 +55,23 @@ def candidates(batch: int):
 
 
 def persistent_candidates(batch: int):
-  """The persistent draft (one launch a draft): request tiles on the CUDA
-  cores (a few requests) or the tensor cores (16 or more rows, padded), with
-  0 to 3 blocks of proj held on chip across the steps (with the tensor
-  cores Triton keeps a held block in shared memory, 64 KB each at 128 x 256;
-  three fit beside the pipeline's buffers, read from ptxas on the CPU)."""
-  common_kw = dict(method="fused", select="persistent", num_stages=2)
-  if batch <= 4:
-    tile = min(4, batch)
-    for bv, bk, w, held in ((128, 64 if tile == 1 else 32, 8, 0),
-                            (128, 64 if tile == 1 else 32, 8, 1),
-                            (256, 64, 8, 0)):
-      yield KernelConfig(**common_kw, block_b=tile, bias_dot="fma",
-                         block_v=bv, block_k=bk, num_warps=w,
-                         held_blocks=held)
-  tiles = (16,) if batch <= 16 else (16, 32, 64)
-  for bb in tiles:
-    for held in ((0, 1, 2, 3) if bb == 16 else (0,)):
-      yield KernelConfig(**common_kw, block_b=bb, bias_dot="mma",
-                         block_v=128, block_k=64, num_warps=8,
-                         held_blocks=held)
+  """The persistent draft (one launch a draft) on 16-row tiles on the tensor
+  cores (Triton stages their proj chunks through shared memory, so
+  num_stages sets the loads in flight on each multiprocessor's one
+  program), with 0 to 2 blocks of proj held on chip across the steps (Triton
+  keeps a held block in shared memory beside the stage buffers; the
+  shared-memory sizes were read from ptxas on the CPU). The first sweep
+  (benchmarks/results/tune-graph-persistent-nvidia-h200-dsv4.json) found the
+  CUDA-core tiles and 2-stage pipelines 1.8-6x slower than the table.
+  """
+  del batch  # the same tiles at every batch: a program loops over tiles
+  for bv, bk, stages, held in ((256, 64, 3, 0), (256, 64, 4, 0),
+                               (256, 64, 3, 1), (128, 64, 6, 0),
+                               (128, 64, 4, 2), (256, 32, 6, 0),
+                               (256, 32, 4, 1), (128, 128, 3, 0)):
+    yield KernelConfig(method="fused", select="persistent", block_b=16,
+                       bias_dot="mma", block_v=bv, block_k=bk, num_warps=8,
+                       num_stages=stages, held_blocks=held)
 
 
 def captured_draft(shape, batch, inputs, temperature):

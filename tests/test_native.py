@@ -238,6 +238,39 @@ def _agrees_with_jm(spec, n, hidden, tokens, cache, cache0, *,
     (256, 7, 129280, 256, torch.bfloat16, (1, 64, 256)),
 ])
 def test_gpu_eager_captured_and_jm_agree(m, s, v, r, dtype, calls):
+  _eager_captured_and_jm_agree(m, s, v, r, dtype, calls)
+
+
+@pytest.mark.parametrize("m,s,v,r,dtype,calls", [
+    (8, 3, 130, 8, torch.bfloat16, (1, 6, 3)),
+    (256, 7, 129280, 256, torch.bfloat16, (1, 16, 64)),
+])
+def test_gpu_persistent_draft_eager_captured_and_jm_agree(
+    monkeypatch, m, s, v, r, dtype, calls):
+  """With the persistent draft in the table (one request on the CUDA
+  cores, else 16-row tiles on the tensor cores, proj held on chip): the
+  native runtime's draft is the contract's, the captured graph replays it
+  bit for bit twice (the memset zeroes the barrier counters each replay),
+  padding rows write nothing."""
+  from jax_markov.kernels import tuning
+  one = jm.KernelConfig(method="fused", block_b=1, block_v=128, block_k=64,
+                        bias_dot="fma", num_warps=8, num_stages=2,
+                        select="persistent", held_blocks=1)
+  tile = jm.KernelConfig(method="fused", block_b=16, block_v=128, block_k=64,
+                         num_warps=8, num_stages=2, select="persistent",
+                         held_blocks=2)
+  original = tuning.choose
+
+  def choose(method, batch, vocab, rank, *, interpret):
+    if interpret:
+      return original(method, batch, vocab, rank, interpret=interpret)
+    return one if batch == 1 else tile
+
+  monkeypatch.setattr(tuning, "choose", choose)
+  _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=2)
+
+
+def _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=1):
   pytest.importorskip("triton")
   if not _GPU:
     pytest.skip("needs a CUDA GPU")
@@ -262,12 +295,13 @@ def test_gpu_eager_captured_and_jm_agree(m, s, v, r, dtype, calls):
       with torch.cuda.graph(graph, stream=stream):
         assert sampler(spec, n, hidden)
     torch.cuda.synchronize()
-    spec.draft_tokens.copy_(tokens0)
-    spec.draft_logits.values.copy_(cache0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(spec.draft_tokens, eager_tokens)
-    assert torch.equal(spec.draft_logits.values, eager_cache)
+    for _ in range(replays):
+      spec.draft_tokens.copy_(tokens0)
+      spec.draft_logits.values.copy_(cache0)
+      graph.replay()
+      torch.cuda.synchronize()
+      assert torch.equal(spec.draft_tokens, eager_tokens)
+      assert torch.equal(spec.draft_logits.values, eager_cache)
 
 
 @pytest.mark.parametrize("_", [0])

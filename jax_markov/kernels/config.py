@@ -51,8 +51,9 @@ class KernelConfig:
       takes every P-th vocabulary block for every request); 0: one a
       multiprocessor (1 in the interpreter).
     held_blocks: with select="persistent", blocks of block_v proj rows each
-      program loads once and keeps in registers for all S steps (the rest
-      of proj streams every step); 0: none.
+      program loads once and keeps on chip for all S steps (registers on
+      the CUDA cores, shared memory with the tensor cores; the rest of proj
+      streams every step); 0: none.
     proj_l2_rows: fused only: the first proj_l2_rows rows of proj stay in L2
       across the steps (an evict_last hint on their loads, evict_first on
       every other stream); 0: no cache hints.
@@ -96,8 +97,8 @@ class KernelConfig:
                        f"got method={self.method!r}, block_b={self.block_b}")
     if self.select == "persistent" and not (fused
                                             and self.proj_l2_rows == 0):
-      # kernels/draft_pass.py: the fused bias, no cache hints (it holds proj
-      # in registers instead).
+      # kernels/draft_pass.py: the fused bias, no cache hints (it holds
+      # proj on chip instead).
       raise ValueError(
           "select='persistent' needs the fused method and proj_l2_rows=0, "
           f"got method={self.method!r}, proj_l2_rows={self.proj_l2_rows}")

@@ -3,10 +3,11 @@
 Grid (P,): program p takes the vocabulary blocks p, p + P, p + 2P, ... and
 keeps them for the whole draft, for every request (in tiles of block_b
 requests). Its first ``held_blocks`` blocks of proj are loaded once, before
-the first step, and stay in the program's registers for all S steps: P *
-held_blocks * block_v rows of proj are read from HBM once a draft instead of
-S times (the rest streams every step, as in the block pass). Each step,
-every program
+the first step, and stay on chip for all S steps (in registers on the CUDA
+cores; with the tensor cores Triton keeps them in shared memory, as the
+dot's operand): P * held_blocks * block_v rows of proj are read from HBM
+once a draft instead of S times (the rest streams every step, as in the
+block pass). Each step, every program
 
 1. forms the pre-temperature logits ``x = base + proj @ embed[prev]`` of its
    blocks (the block pass's bias chunk: CUDA cores or tensor cores), stores
@@ -138,8 +139,10 @@ def _draft_kernel(ins, outs, *, batch: int, steps: int, vocab: int, rank: int,
     return plgpu.load(proj_ref.at[v_rows, k_cols],
                       mask=(v_rows < vocab) & (k_cols < rank), other=0)
 
-  # Loaded once, in registers for all S steps: chunk c of block t is
-  # held_proj[t][c], [block_v, block_k].
+  # Loaded once, on chip for all S steps: chunk c of block t is
+  # held_proj[t][c], [block_v, block_k]. On the CUDA cores each bf16 takes a
+  # whole 32-bit register (220 registers a thread for one 128 x 256 block at
+  # 8 warps, read from ptxas on the CPU), so one block is what fits there.
   held_proj = [[proj_chunk(p + t * programs, c) for c in range(num_chunks)]
                for t in range(held)]
 
@@ -298,8 +301,8 @@ def draft_pass(base: jax.Array, embed: jax.Array, proj: jax.Array,
       (odd steps take each program's streamed blocks in reverse order; the
       results do not depend on it), programs (P, see :func:`check_programs`;
       0: one a multiprocessor, 1 in the interpreter), held_blocks (blocks of
-      proj a program keeps in registers for the whole draft; at most its
-      number of blocks), num_warps and num_stages.
+      proj a program keeps on chip for the whole draft; at most the blocks
+      every program has), num_warps and num_stages.
     num_steps: S (static).
     num_cache_rows: rows of the cache (static).
     num_sms: the GPU's multiprocessors (static); None: JAX's first GPU. A

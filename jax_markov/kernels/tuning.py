@@ -16,9 +16,15 @@ rule:
 * xla_bias (selectable; vLLM's design, the bias GEMM in XLA): one request
   per program, vocabulary blocks of 1024 at B <= 4 and 4096 above.
 
-The persistent draft (select="persistent": the whole draft in one launch) is
-selectable but in no entry: at B = 1 it measured level with the table's
-entry on the H200 (docs/perf-notes.md), so it does not earn the default.
+The persistent draft (select="persistent": the whole draft in one launch,
+request tiles on either dot, proj held on chip with held_blocks) is
+selectable but in no entry: captured in the native runtime on the H200 its
+best tile was 0.170 / 0.193 / 0.233 / 0.51 / 1.77 ms at B = 1 / 4 / 16 / 64
+/ 256 against the table's 0.132 / 0.182 / 0.199 / 0.31 / 0.84
+(benchmarks/results/tune-graph-persistent*-nvidia-h200-dsv4.json;
+docs/perf-notes.md change 30), so it does not earn the default. Where an
+entry picks it, a reduced vocabulary and greedy drafting run the same tile
+step by step (:func:`stepwise`).
 """
 
 from __future__ import annotations
