@@ -348,8 +348,8 @@ def _config(config, method, batch, vocab, rank, interpret, stepwise=False):
   target vocabulary when sampling (the grid walks target columns) and Vd
   when drafting greedily. ``stepwise``: the draft must run step by step (a
   reduced vocabulary, greedy drafting), which the one-launch persistent
-  draft does not; the table's persistent choice then runs with the tail
-  select instead (as the native runtime does).
+  draft does not; the table's persistent choice then runs step by step with
+  the same tile (tuning.stepwise; as the native runtime does).
   """
   if config is not None:
     if method is not None and method != config.method:

@@ -319,6 +319,33 @@ def test_bad_maps_raise_and_write_nothing():
                     draft_to_target=d2t, target_vocab=V + 1)
 
 
+@pytest.mark.parametrize("tile", [dict(block_b=1, bias_dot="fma"),
+                                  dict(block_b=16, bias_dot="mma")])
+def test_persistent_table_entry_runs_step_by_step_with_a_map(monkeypatch,
+                                                             tile):
+  """A table entry that picks the persistent draft (which runs neither a map
+  nor greedy drafting) runs the same tile step by step there: the tail
+  select with one-request tiles, else the select pass; the draft is the one
+  of the plain step-by-step tile."""
+  from jax_markov.kernels import tuning
+  entry = jm.KernelConfig(method="fused", block_v=16, block_k=16,
+                          select="persistent", held_blocks=1, **tile)
+  want = tuning.stepwise(entry)
+  assert want.select == ("tail" if tile["block_b"] == 1 else "pass")
+  assert want.held_blocks == 0 and want.block_b == entry.block_b
+  assert tuning.stepwise(want) is want
+  monkeypatch.setattr(tuning, "choose", lambda *a, **k: entry)
+  base, anchor, head, t, seeds, pos, d2t = _problem(12)
+  got = jm.sample_draft(base, anchor, head, t, seeds, pos, draft_to_target=d2t)
+  ref = jm.sample_draft(base, anchor, head, t, seeds, pos, draft_to_target=d2t,
+                        config=want)
+  np.testing.assert_array_equal(got.tokens, ref.tokens)
+  np.testing.assert_array_equal(got.logits, ref.logits)
+  np.testing.assert_array_equal(
+      jm.greedy_draft(base, anchor, head),
+      jm.greedy_draft(base, anchor, head, config=want))
+
+
 def test_unsupported_modes_refuse_a_map():
   base, anchor, head, t, seeds, pos, d2t = _problem(10)
   persistent = jm.KernelConfig(method="fused", block_b=1, block_v=16,
