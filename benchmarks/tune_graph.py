@@ -58,24 +58,28 @@ def persistent_candidates(batch: int):
   """The persistent draft (one launch a draft) on 16-row tiles on the tensor
   cores (Triton stages their proj chunks through shared memory, so
   num_stages sets the loads in flight on each multiprocessor's one
-  program), with 0 to 2 blocks of proj held on chip across the steps (Triton
+  program), with 0 to 3 blocks of proj held on chip across the steps (Triton
   keeps a held block in shared memory beside the stage buffers; the
-  shared-memory sizes were read from ptxas on the CPU). The first sweep
-  (benchmarks/results/tune-graph-persistent-nvidia-h200-dsv4.json) found the
-  CUDA-core tiles and 2-stage pipelines 1.8-6x slower than the table.
+  shared-memory sizes were read from ptxas on the CPU: 128 x 32 chunks with
+  three held 128-row blocks take 218 KB at 3 stages, the 227 KB limit at 4).
+  The sweeps before (benchmarks/results/tune-graph-persistent*-*.json) found
+  the CUDA-core tiles and 2-stage pipelines 1.8-6x slower than the table,
+  and 128 x 64 / 256 x 32 tiles at 6 stages no better than these.
   """
   del batch  # the same tiles at every batch: a program loops over tiles
   for bv, bk, stages, held in ((256, 64, 3, 0), (256, 64, 4, 0),
-                               (256, 64, 3, 1), (128, 64, 6, 0),
-                               (128, 64, 4, 2), (256, 32, 6, 0),
-                               (256, 32, 4, 1), (128, 128, 3, 0)):
+                               (256, 64, 3, 1), (256, 32, 4, 1),
+                               (128, 64, 3, 2), (128, 64, 4, 2),
+                               (128, 32, 3, 3), (128, 32, 4, 3)):
     yield KernelConfig(method="fused", select="persistent", block_b=16,
                        bias_dot="mma", block_v=bv, block_k=bk, num_warps=8,
                        num_stages=stages, held_blocks=held)
 
 
-def captured_draft(shape, batch, inputs, temperature):
+def captured_draft(shape, batch, inputs, temperature, dependent_launch=None):
   """A native-runtime hook's draft on the synthetic inputs, captured.
+
+  dependent_launch: the hook's option (None: its default).
 
   Returns:
     (graph, spec, hook): the torch CUDA graph of one hook call (all
@@ -92,13 +96,15 @@ def captured_draft(shape, batch, inputs, temperature):
                                  seeds, positions, **kw)
   hook = tb.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
                                getattr(torch, shape.dtype), runtime="native",
-                               buckets=(batch,), check_values=False)
+                               buckets=(batch,), check_values=False,
+                               dependent_launch=dependent_launch)
   hook.warmup(spec)
   graph = capture_graph(lambda: hook(spec, batch, spec.head_hidden))
   return graph, spec, hook
 
 
-def time_config(shape, batch, cfg, inputs, temperature, repeats, group):
+def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
+                dependent_launch=None):
   """Median ms of one captured draft with ``cfg`` in the table, and tokens."""
   # The block pass's grid: sampling walks the V target columns, with a
   # reduced vocabulary too.
@@ -107,7 +113,8 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group):
   tuning.TABLE[key] = cfg
   tuning.choose.cache_clear()
   try:
-    graph, spec, _ = captured_draft(shape, batch, inputs, temperature)
+    graph, spec, _ = captured_draft(shape, batch, inputs, temperature,
+                                    dependent_launch)
     for _ in range(5):
       graph.replay()
     times = []
@@ -137,9 +144,16 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=30)
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--out", default=None)
-  p.add_argument("--grid", default="tiles", choices=("tiles", "persistent"),
+  p.add_argument("--grid", default="tiles",
+                 choices=("tiles", "persistent", "table"),
                  help="tiles: step-by-step tiles near the table's; "
-                 "persistent: the one-launch draft (persistent_candidates)")
+                 "persistent: the one-launch draft (persistent_candidates); "
+                 "table: the table's entry only")
+  p.add_argument("--dependent-launch", default="auto",
+                 choices=("auto", "on", "off", "both"),
+                 help="the hook's dependent_launch (auto: its default, off "
+                 "unless $JAX_MARKOV_DEPENDENT_LAUNCH=1); both: each "
+                 "configuration off, then on")
   args = p.parse_args(argv)
   if not torch.cuda.is_available():
     print("tune_graph needs a CUDA GPU", file=sys.stderr)
@@ -151,26 +165,33 @@ def main(argv=None):
     default = tuning.choose("fused", batch, shape.V, shape.R,
                             interpret=False)
     seen, ref_tokens = [], None
-    grid = (candidates if args.grid == "tiles" else
-            persistent_candidates)(batch)
+    grid = dict(tiles=candidates, persistent=persistent_candidates,
+                table=lambda _: ())[args.grid](batch)
+    launches = dict(auto=(None,), on=(True,), off=(False,),
+                    both=(False, True))[args.dependent_launch]
     for cfg in [default, *grid]:
       if cfg in seen:
         continue
       seen.append(cfg)
-      try:
-        ms, tokens = time_config(shape, batch, cfg, inputs, args.temperature,
-                                 args.repeats, args.group)
-      except Exception as e:  # noqa: BLE001 -- a tile that does not build
-        print(f"B={batch} {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
-        continue
-      if ref_tokens is None:
-        ref_tokens = tokens
-      agree = tokens == ref_tokens
-      rows.append(dict(shape=shape.name, batch=batch, ms=ms,
-                       default=cfg == default, tokens_agree=agree,
-                       config=dataclasses.asdict(cfg)))
-      print(f"B={batch:4d} {ms:.4f} ms {'(table) ' if cfg == default else ''}"
-            f"{'' if agree else 'TOKENS DIFFER '}{cfg}", flush=True)
+      for dependent in launches:
+        try:
+          ms, tokens = time_config(shape, batch, cfg, inputs,
+                                   args.temperature, args.repeats, args.group,
+                                   dependent)
+        except Exception as e:  # noqa: BLE001 -- a tile that does not build
+          print(f"B={batch} {cfg}: {type(e).__name__}: {e}"[:300],
+                flush=True)
+          continue
+        if ref_tokens is None:
+          ref_tokens = tokens
+        agree = tokens == ref_tokens
+        rows.append(dict(shape=shape.name, batch=batch, ms=ms,
+                         default=cfg == default, tokens_agree=agree,
+                         dependent_launch=dependent,
+                         config=dataclasses.asdict(cfg)))
+        print(f"B={batch:4d} {ms:.4f} ms {'(table) ' if cfg == default else ''}"
+              f"{'' if agree else 'TOKENS DIFFER '}"
+              f"dependent_launch={dependent} {cfg}", flush=True)
       if args.out:  # after every row: a sweep cut short keeps what it timed
         _write(args.out, shape, args.temperature, rows)
     best = min((r for r in rows if r["batch"] == batch), key=lambda r: r["ms"])

@@ -135,6 +135,7 @@ def test_persistent_draft_matches_block_pass_at_deepseek_v4_shape(B):
     (4, (4, 128, 32, "fma", 8, 1)),     # a tile of 4 on the CUDA cores
     (5, (4, 128, 32, "fma", 8, 1)),     # two tiles, the second padded
     (16, (16, 128, 64, "mma", 8, 1)),   # the tensor cores, one held block
+    (4, (16, 128, 32, "mma", 8, 3)),    # three held blocks, a padded tile
     (64, (16, 128, 64, "mma", 4, 0)),   # four tiles; owners draw 64 tokens
 ])
 def test_persistent_draft_tiles_and_held_proj_at_deepseek_v4_shape(B, tile):

@@ -142,6 +142,90 @@ def test_persistent_draft_is_planned_as_one_launch(tmp_path, monkeypatch,
     assert native_plan.stat_rows(other, bucket) == bucket
 
 
+@pytest.mark.parametrize("greedy,draft_vocab", [(False, None), (True, None),
+                                                (False, 40)])
+def test_dependent_launch_is_built_into_the_step_kernels(tmp_path, greedy,
+                                                         draft_vocab):
+  """With dependent_launch, a select-pass bucket's draw_params and block
+  and select passes wait for the kernels before them (then let the next
+  start) once, after the block pass's base load; compiled, triton launches
+  them with the attribute. Without it, or in a tail-select bucket (B = 1),
+  no wait and no attribute; the two are cached apart."""
+  import dataclasses
+  cache = native.IRCache(str(tmp_path))
+  shape = dataclasses.replace(_shape(8, 3, 96, 8), greedy=greedy,
+                              draft_vocab=draft_vocab)
+  for bp in (1, 8):  # the tail select, the select pass
+    early = native_plan.lower_bucket(shape, bp, cache, (9, 0),
+                                     dependent_launch=True)
+    plain = native_plan.lower_bucket(shape, bp, cache, (9, 0))
+    assert set(early) == set(plain)
+    assert set(early) <= set(native_plan.DEPENDENT_LAUNCH_KERNELS)
+    used = native_plan.bucket_dependent_launch(shape, bp, True)
+    assert used == (native_plan.shape_config(shape, bp).select == "pass")
+    assert used == (bp == 8)
+    for name, (ir, path, _) in early.items():
+      assert "griddepcontrol" not in plain[name][0].ttir, name
+      if not used:
+        assert ir.ttir == plain[name][0].ttir, name
+        continue
+      assert ir.ttir.count("griddepcontrol.wait") == 1, name
+      assert path != plain[name][1]
+      if _TRITON:
+        kernel = native.compile_kernel(ir, path, (9, 0), launch_pdl=True)
+        assert kernel.metadata.launch_pdl
+        ptx = kernel.asm["ptx"]
+        wait = ptx.index("griddepcontrol.wait")
+        assert wait < ptx.index("griddepcontrol.launch_dependents")
+        if name == "block_pass":  # base is loaded first
+          assert "ld.global" in ptx[:wait]
+        assert not native.compile_kernel(
+            plain[name][0], plain[name][1], (9, 0)).metadata.launch_pdl
+
+
+def test_dependent_launch_choice(monkeypatch):
+  use = native_plan.use_dependent_launch
+  monkeypatch.delenv("JAX_MARKOV_DEPENDENT_LAUNCH", raising=False)
+  assert use(True, (9, 0)) and use(True, (10, 0))
+  # Opt-in (docs/limitations.md): off unless asked for.
+  assert not use(None, (9, 0)) and not use(None, (8, 0))
+  assert not use(False, (9, 0))
+  monkeypatch.setenv("JAX_MARKOV_DEPENDENT_LAUNCH", "0")
+  assert not use(None, (9, 0)) and use(True, (9, 0))
+  monkeypatch.setenv("JAX_MARKOV_DEPENDENT_LAUNCH", "1")
+  assert use(None, (9, 0))
+  with pytest.raises(ValueError, match="capability"):
+    use(None, (8, 0))
+  monkeypatch.setenv("JAX_MARKOV_DEPENDENT_LAUNCH", "yes")
+  with pytest.raises(ValueError, match="JAX_MARKOV_DEPENDENT_LAUNCH"):
+    use(None, (9, 0))
+  monkeypatch.delenv("JAX_MARKOV_DEPENDENT_LAUNCH")
+  with pytest.raises(ValueError, match="capability"):
+    use(True, (8, 6))
+  with pytest.raises(ValueError, match="dependent_launch"):
+    tb.FusedMarkovSampler(8, 96, 8, "bfloat16", runtime="jax",
+                          dependent_launch="yes")
+
+
+def test_dependent_launch_is_refused_in_the_interpreter():
+  from jax_markov.kernels import block_pass, select_pass
+  B, S, V, R = 2, 3, 64, 8
+  f32, i32 = jax.numpy.float32, jax.numpy.int32
+  z = lambda *shape, dtype=f32: jax.numpy.zeros(shape, dtype)
+  cfg = jm.KernelConfig(method="fused", block_b=2, block_v=32, block_k=8,
+                        bias_dot="fma")
+  with pytest.raises(ValueError, match="interpreter"):
+    block_pass.block_pass(z(B * S, V), (z(V, R), z(V, R), z(B, dtype=i32)),
+                          z(1, dtype=i32), z(3, B * S), config=cfg,
+                          num_steps=S, num_cache_rows=B * S,
+                          dependent_launch=True, interpret=True)
+  with pytest.raises(ValueError, match="interpreter"):
+    select_pass.select_pass(z(B, 2), z(B, 2), z(B, 2, dtype=i32),
+                            z(B * S, V), z(1, dtype=i32), z(3, B * S),
+                            config=cfg, num_steps=S, dependent_launch=True,
+                            interpret=True)
+
+
 def test_ir_cache_hits_and_keys(tmp_path):
   cache = native.IRCache(str(tmp_path))
   shape = _shape(4, 2, 64, 8)
@@ -191,6 +275,19 @@ def _sampler(spec, **kw):
   w2 = spec.model.model.markov_head.markov_w2.weight
   return tb.FusedMarkovSampler(spec.max_num_reqs, spec.vocab, w2.shape[1],
                                w2.dtype, runtime="native", **kw)
+
+
+def _captured(call) -> "torch.cuda.CUDAGraph":
+  """A CUDA graph of ``call()`` (which must return True), captured on a
+  side stream."""
+  graph = torch.cuda.CUDAGraph()
+  stream = torch.cuda.Stream()
+  stream.wait_stream(torch.cuda.current_stream())
+  with torch.cuda.stream(stream):
+    with torch.cuda.graph(graph, stream=stream):
+      assert call()
+  torch.cuda.synchronize()
+  return graph
 
 
 def _snapshot(spec):
@@ -288,13 +385,7 @@ def _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=1):
     # The same call captured, replayed from the same inputs: bit for bit.
     spec.draft_tokens.copy_(tokens0)
     spec.draft_logits.values.copy_(cache0)
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-      with torch.cuda.graph(graph, stream=stream):
-        assert sampler(spec, n, hidden)
-    torch.cuda.synchronize()
+    graph = _captured(lambda: sampler(spec, n, hidden))
     for _ in range(replays):
       spec.draft_tokens.copy_(tokens0)
       spec.draft_logits.values.copy_(cache0)
@@ -302,6 +393,65 @@ def _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=1):
       torch.cuda.synchronize()
       assert torch.equal(spec.draft_tokens, eager_tokens)
       assert torch.equal(spec.draft_logits.values, eager_cache)
+
+
+@pytest.mark.parametrize("m,s,v,r,modes,calls", [
+    (8, 3, 130, 8, {}, (1, 5, 8)),
+    (8, 3, 130, 8, dict(greedy=True), (1, 8)),
+    (8, 3, 130, 8, dict(draft_vocab=40, shuffled=True), (1, 8)),
+    (256, 7, 129280, 256, {}, (1, 4, 16, 64, 256)),
+])
+def test_gpu_dependent_launch_is_the_plain_launch_bit_for_bit(m, s, v, r,
+                                                              modes, calls):
+  """The step kernels as programmatic dependent launches (each starting
+  while the one before it ends) draft what plain launches draft, bit for
+  bit, eager and captured. The captured graph is replayed back to back on
+  two alternating inputs: a kernel that read the token, statistics or
+  parameters of the step before, or base, ahead of its wait would see the
+  other input's values from the replay before and disagree."""
+  pytest.importorskip("triton")
+  if not _GPU:
+    pytest.skip("needs a CUDA GPU")
+  spec = sd.add_modes(sd.SpeculatorDouble(
+      max_num_reqs=m, num_steps=s, vocab=v, rank=r, hidden=64,
+      dtype=torch.bfloat16, device="cuda"), **modes)
+  w2 = spec.model.model.markov_head.markov_w2.weight  # [Vd, R] with a map
+  early, plain = (tb.FusedMarkovSampler(m, w2.shape[0], r, w2.dtype,
+                                        runtime="native", dependent_launch=on)
+                  for on in (True, False))
+  early.warmup(spec)
+  plain.warmup(spec)
+  cached = spec.draft_logits is not None
+
+  def outputs():
+    return (spec.draft_tokens.clone(),
+            spec.draft_logits.values.clone() if cached else None)
+
+  for n in calls:
+    hidden = spec.prepare(n, greedy=(0,))
+    other = torch.randn_like(hidden)
+    want = []
+    for h in (hidden.clone(), other):
+      assert plain(spec, n, h)
+      want.append(outputs())
+      assert early(spec, n, h)
+      got = outputs()
+      assert torch.equal(got[0], want[-1][0])
+      if cached:
+        assert torch.equal(got[1], want[-1][1])
+    fixed = hidden.clone()
+    graph = _captured(lambda: early(spec, n, fixed))
+    results = []
+    for _ in range(4):
+      for h in (hidden, other):
+        fixed.copy_(h)
+        graph.replay()
+        results.append(outputs())
+    torch.cuda.synchronize()
+    for k, got in enumerate(results):
+      assert torch.equal(got[0], want[k % 2][0]), (n, k)
+      if cached:
+        assert torch.equal(got[1], want[k % 2][1]), (n, k)
 
 
 @pytest.mark.parametrize("_", [0])

@@ -96,7 +96,8 @@ class FusedMarkovSampler:
   def __init__(self, max_num_reqs: int, vocab_size: int, rank: int, dtype,
                *, runtime: str | None = None, buckets=None,
                check_values: bool = False, on_capture: str = "raise",
-               cache_dir: str | None = None):
+               cache_dir: str | None = None,
+               dependent_launch: bool | None = None):
     """Builds the hook.
 
     Args:
@@ -122,6 +123,14 @@ class FusedMarkovSampler:
         own eager path). The native runtime is captured.
       cache_dir: where lowered kernels are kept (default
         $JAX_MARKOV_CACHE_DIR or ~/.cache/jax_markov/native).
+      dependent_launch: experimental, opt-in: the native runtime's
+        select-pass buckets (B > 1) as programmatic dependent launches, each
+        kernel starting while the one before it ends (compute capability 9.0
+        or newer; docs/torch_bridge.md). 1-15% faster captured drafts on an
+        H200, but captured drafts with it hit an unexplained illegal memory
+        access in 2 of 5 benchmark-harness runs (docs/limitations.md): do
+        not serve with it. True, False, or None (default):
+        $JAX_MARKOV_DEPENDENT_LAUNCH ("1" / "0") where set, else off.
     """
     if isinstance(dtype, str):
       dtype = getattr(torch, dtype.removeprefix("torch."), None)
@@ -142,6 +151,10 @@ class FusedMarkovSampler:
     self.buckets = _buckets.normalize_buckets(buckets, self.max_num_reqs)
     self.check_values = check_values
     self.on_capture = on_capture
+    if dependent_launch not in (None, True, False):
+      raise ValueError("dependent_launch must be True, False or None, got "
+                       f"{dependent_launch!r}")
+    self.dependent_launch = dependent_launch
     self.runtime, self.runtime_reason = _choose_runtime(runtime)
     log.info("torch_bridge.FusedMarkovSampler: runtime %r (%s)", self.runtime,
              self.runtime_reason)

@@ -261,14 +261,23 @@ class IRCache:
     return ir, ttir_path
 
 
-def compile_kernel(ir: KernelIR, ttir_path: str, capability: tuple[int, int]):
-  """Compiles a lowered kernel with the triton package for a CUDA GPU."""
+def compile_kernel(ir: KernelIR, ttir_path: str, capability: tuple[int, int],
+                   *, launch_pdl: bool = False):
+  """Compiles a lowered kernel with the triton package for a CUDA GPU.
+
+  launch_pdl: launch it with CUDA's programmatic stream serialization
+  attribute (a programmatic dependent launch: it may start before the
+  kernel before it ends), for kernels lowered with dependent_launch=True
+  (jax_markov.kernels.dependent_launch). Captured, the launch is a graph
+  node with a programmatic edge.
+  """
   import triton  # pylint: disable=g-import-not-at-top
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
   target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
   return triton.compile(ttir_path, target=target,
                         options={"num_warps": ir.num_warps,
-                                 "num_stages": ir.num_stages})
+                                 "num_stages": ir.num_stages,
+                                 "launch_pdl": launch_pdl})
 
 
 def available() -> tuple[bool, str]:

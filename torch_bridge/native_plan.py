@@ -17,11 +17,13 @@ a captured graph replays with no host work and a plan never changes with n.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax
 import jax.numpy as jnp
 import torch
 
+from jax_markov.kernels import dependent_launch
 from jax_markov.kernels import tuning
 from jax_markov.kernels import block_pass as block_pass_module
 from jax_markov.kernels import draft_pass as draft_pass_module
@@ -35,6 +37,11 @@ from torch_bridge import native
 _JNP = {torch.float32: jnp.float32, torch.float16: jnp.float16,
         torch.bfloat16: jnp.bfloat16, torch.int32: jnp.int32}
 ROW = 8  # int32 entries a table row: 32 bytes, the kernels' pointer alignment
+# The kernels of a step-by-step draft built for, and launched as,
+# programmatic dependent launches (jax_markov.kernels.dependent_launch): each
+# starts while the one before it finishes, and waits before reading what it
+# wrote.
+DEPENDENT_LAUNCH_KERNELS = ("draw_params", "block_pass", "select_pass")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +97,40 @@ class DraftShape:
     return {k: str(v) for k, v in dataclasses.asdict(self).items()}
 
 
+def use_dependent_launch(asked: bool | None,
+                         capability: tuple[int, int]) -> bool:
+  """Whether the plans may use programmatic dependent launches: ``asked``,
+  or (None) $JAX_MARKOV_DEPENDENT_LAUNCH ("1" or "0") where it is set, else
+  not. Opt-in: in the benchmark harness, captured drafts with them failed
+  with an illegal memory access in 2 of 5 runs on an H200 (unexplained;
+  docs/limitations.md). Which buckets use them: :func:`bucket_dependent_launch`.
+  Raises ValueError where asked for on a GPU below sm_90."""
+  supported = tuple(capability) >= dependent_launch.MIN_CAPABILITY
+  if asked is None:
+    env = os.environ.get("JAX_MARKOV_DEPENDENT_LAUNCH")
+    if env is None:
+      return False
+    if env not in ("0", "1"):
+      raise ValueError("JAX_MARKOV_DEPENDENT_LAUNCH must be '0' or '1', got "
+                       f"{env!r}")
+    asked = env == "1"
+  if asked and not supported:
+    raise ValueError("dependent_launch=True needs compute capability "
+                     f"{dependent_launch.MIN_CAPABILITY} or newer, this GPU "
+                     f"has {tuple(capability)}")
+  return bool(asked)
+
+
+def bucket_dependent_launch(shape: "DraftShape", bucket: int,
+                            enabled: bool) -> bool:
+  """Whether a bucket's kernels are built and launched as dependent
+  launches: where enabled and the bucket runs the select pass. Not with the
+  tail select (the table's choice at B = 1): measured 10% slower there at
+  the DeepSeek-V4 shape (docs/perf-notes.md change 32); not for the
+  persistent draft (one launch, after a memset)."""
+  return enabled and shape_config(shape, bucket).select == "pass"
+
+
 def config(bucket: int, vocab: int, rank: int, *,
            stepwise: bool = False) -> tuning.KernelConfig:
   """The table's fused configuration; ``stepwise`` (a reduced vocabulary,
@@ -135,11 +176,16 @@ def operands(inputs, outputs, given_in, given_out) -> list[str]:
 
 def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
                  capability: tuple[int, int] | None = None,
-                 num_sms: int | None = None) -> dict:
+                 num_sms: int | None = None,
+                 dependent_launch: bool = False) -> dict:
   """Lowers a bucket's kernels (no GPU needed) for a CUDA capability.
 
   num_sms: the GPU's multiprocessors, which size the persistent draft's
   grid (needed where the table picks it).
+  dependent_launch: build draw_params and the block and select passes for
+  a programmatic dependent launch (see :data:`DEPENDENT_LAUNCH_KERNELS`;
+  sm_90 or newer) where :func:`bucket_dependent_launch` says the bucket
+  uses them.
 
   Returns:
     {kernel: (KernelIR, ttir path, operand names)} for "draw_params" and
@@ -147,11 +193,13 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
     "select_pass" (unless the block pass draws, tail).
   """
   sh, bp = shape, bucket
+  dependent_launch = bucket_dependent_launch(sh, bp, dependent_launch)
   m, s, v, vd, r = sh.max_num_reqs, sh.steps, sh.vocab, sh.vd, sh.rank
   grid = sh.grid_vocab
   cfg = shape_config(sh, bp)
   words = dict(sh.words)
-  desc = {"shape": sh.describe(), "bucket": bp, "config": repr(cfg)}
+  desc = {"shape": sh.describe(), "bucket": bp, "config": repr(cfg),
+          "dependent_launch": dependent_launch}
   if cfg.select == "persistent":
     desc["num_sms"] = num_sms
   i32, f32 = jnp.int32, jnp.float32
@@ -160,7 +208,7 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
   def params_call(idx, pos, temperature, seeds, ids, anchor_idx, count):
     return draw_params(idx, pos, temperature, seeds, ids, anchor_idx, count,
                        batch=bp, steps=s, vocab_in=sh.vocab_in,
-                       layout=sh.layout)
+                       layout=sh.layout, dependent_launch=dependent_launch)
 
   specs = dict(idx=_spec((words["idx"],), i32), pos=_spec((words["pos"],), i32),
                temperature=_spec((m,), sh.temperature_dtype),
@@ -201,7 +249,7 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
     column_map = (dict(columns=_spec((vd,), i32)) if sh.greedy
                   else dict(slots=_spec((v,), i32)))
   kw = dict(config=cfg, num_steps=s, num_cache_rows=m * s,
-            no_cache=sh.greedy)
+            no_cache=sh.greedy, dependent_launch=dependent_launch)
 
   def block_call(base, embed, proj, anchors, tokens, step, params=None,
                  cache_rows=None, cache=None, counters=None, columns=None,
@@ -235,7 +283,8 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
                     cache=None, params=None, cache_rows=None, columns=None):
       return select_pass(block_max, block_sum, block_argmax, cache, step,
                          params, cache_rows, tokens, config=cfg, num_steps=s,
-                         columns=columns, vocab=grid, no_cache=sh.greedy)
+                         columns=columns, vocab=grid, no_cache=sh.greedy,
+                         dependent_launch=dependent_launch)
 
     specs = dict(block_max=_spec((bp, nb), f32),
                  block_argmax=_spec((bp, nb), i32), step=_spec((1,), i32),
@@ -258,11 +307,14 @@ class DraftPlans:
   """The compiled kernels and the scratch of one :class:`DraftShape`."""
 
   def __init__(self, shape: DraftShape, buckets, device: torch.device,
-               ir_cache: native.IRCache):
+               ir_cache: native.IRCache,
+               dependent_launch: bool | None = None):
     self.shape = shape
     self.device = device
     self.ir_cache = ir_cache
     self.capability = torch.cuda.get_device_capability(device)
+    self.dependent_launch = use_dependent_launch(dependent_launch,
+                                                 self.capability)
     m, s = shape.max_num_reqs, shape.steps
     i32 = dict(dtype=torch.int32, device=device)
     # Tables read through a pointer to one row: step s, live requests n.
@@ -317,9 +369,13 @@ class DraftPlans:
                  block_argmax=ptr(self.barg), counters=ptr(self.counters))
     launches = []
     for name, (ir, path, names) in lower_bucket(
-        self.shape, bp, self.ir_cache, self.capability,
-        self.num_sms).items():
-      kernel = native.compile_kernel(ir, path, self.capability)
+        self.shape, bp, self.ir_cache, self.capability, self.num_sms,
+        self.dependent_launch).items():
+      kernel = native.compile_kernel(
+          ir, path, self.capability,
+          launch_pdl=(name in DEPENDENT_LAUNCH_KERNELS
+                      and bucket_dependent_launch(self.shape, bp,
+                                                  self.dependent_launch)))
       steps = range(self.shape.steps) if name in ("block_pass",
                                                   "select_pass") else (None,)
       for step in steps:

@@ -98,7 +98,8 @@ class NativeRuntime:
     plans = self._plans.get(shape)
     if plans is None:
       plans = native_plan.DraftPlans(shape, self.hook.buckets, self._device,
-                                     self.ir_cache)
+                                     self.ir_cache,
+                                     self.hook.dependent_launch)
       self._plans[shape] = plans
     return plans
 

@@ -56,7 +56,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_markov.kernels import dependent_launch as dependent_launch_module
 from jax_markov.kernels.config import KernelConfig
+from jax_markov.kernels.dependent_launch import wait_for_prior_kernels
 from jax_markov.kernels.named_call import named_call
 from jax_markov.kernels.select_pass import draw_token, greedy_token
 
@@ -127,7 +129,7 @@ def bias_chunk(acc, emb, proj, *, bias_dot: str, precision):
 
 def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                        steps: int, vocab: int, rank: int, keep_blocks: int,
-                       precision, no_cache: bool):
+                       precision, no_cache: bool, dependent_launch: bool):
   fused = config.fused
   block_b, block_v, block_k = config.block_b, config.block_v, config.block_k
   bias_dot = config.bias_dot
@@ -191,6 +193,12 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     x = plgpu.load(base_ref.at[draw[None, :], d_cols[:, None]],
                    mask=tile_mask.T, other=0, eviction_policy=stream).T
   x = x.astype(jnp.float32)
+  # What follows reads or writes what earlier kernels of the draft write or
+  # read, so its indices carry the wait's zero; base, written before the
+  # draft, is loaded above it (see dependent_launch).
+  if dependent_launch:
+    zero = wait_for_prior_kernels(dependent_launch)
+    i, b_idx, draw = i + zero, b_idx + zero, draw + zero
   if fused:
     # The previous token of each request: its anchor at step 0, else what the
     # select pass drew at step - 1. Its embedding row is gathered here, so no
@@ -256,7 +264,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     plgpu.store(barg_ref.at[b_idx, j],
                 jnp.argmax(y, axis=1).astype(jnp.int32) + v0, mask=b_mask)
     if config.select == "tail":
-      _tail_select(ins, outs, config=config, steps=steps, vocab=vocab,
+      _tail_select(ins, outs, i, config=config, steps=steps, vocab=vocab,
                    no_cache=True)
     return
 
@@ -292,17 +300,19 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
 
   if config.select == "tail":
-    _tail_select(ins, outs, config=config, steps=steps, vocab=vocab,
+    _tail_select(ins, outs, i, config=config, steps=steps, vocab=vocab,
                  no_cache=False)
 
 
-def _tail_select(ins, outs, *, config: KernelConfig, steps: int, vocab: int,
-                 no_cache: bool):
-  """select="tail": the request tile's last program to finish draws."""
+def _tail_select(ins, outs, i, *, config: KernelConfig, steps: int,
+                 vocab: int, no_cache: bool):
+  """select="tail": the request tile's last program to finish draws.
+
+  i: the request tile, pl.program_id(0) (after the dependent-launch wait).
+  """
   # The count is acq_rel at GPU scope: it releases this program's stores
   # (cache before the block reductions' barrier, statistics by the counting
   # thread), and the program that counts last acquires everyone's.
-  i = pl.program_id(0)
   counter_ref = outs["counters"]
   done = plgpu.atomic_add(counter_ref, i, jnp.ones((), jnp.int32))
 
@@ -335,7 +345,7 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
                columns: jax.Array | None = None,
                slots: jax.Array | None = None,
                cache_vocab: int | None = None, no_cache: bool = False,
-               interpret: bool = False):
+               dependent_launch: bool = False, interpret: bool = False):
   """Runs the block pass of one step.
 
   Draw (b, s) is flat index ``b * S + s`` of ``base``'s rows and of the
@@ -387,6 +397,11 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
       columns (V, or V_target with slots).
     no_cache: greedy drafting (static): no cache (cache, cache_rows and
       params are None), no block sums; every draw is the argmax of x.
+    dependent_launch: build for a programmatic dependent launch (static;
+      sm_90 or newer, not in the interpreter): the kernel waits for the
+      kernels before it after loading its base tile, then lets the next one
+      start (see :mod:`dependent_launch`). The native runtime launches it
+      so; under any other launch the wait returns at once.
     interpret: run the kernel in the Pallas interpreter (CPU).
 
   Returns:
@@ -413,6 +428,7 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
   if config.select == "persistent":
     raise ValueError("select='persistent' runs the whole draft as "
                      "draft_pass.draft_pass, not step by step")
+  dependent_launch_module.check(dependent_launch, interpret=interpret)
   fused = config.fused
   if fused:
     if not (isinstance(bias_or_head, tuple) and len(bias_or_head) == 3):
@@ -489,7 +505,7 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
   kernel = functools.partial(
       _block_pass_kernel, config=config, batch=batch, steps=num_steps,
       vocab=vocab, rank=rank, keep_blocks=keep_blocks, precision=precision,
-      no_cache=no_cache)
+      no_cache=no_cache, dependent_launch=dependent_launch)
   out = named_call(
       kernel, {name: given[name] for name in INPUTS}, outputs,
       aliased=ALIASED,

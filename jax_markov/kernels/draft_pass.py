@@ -158,35 +158,34 @@ def _draft_kernel(ins, outs, *, batch: int, steps: int, vocab: int, rank: int,
       prev = jnp.where(s > 0, drawn, anchor)
     return jnp.clip(prev, 0, embed_ref.shape[0] - 1)
 
-  def one_tile(s, j, rt, token, held_chunks):
-    """Block j for request tile rt at step s: cache and statistics."""
+  def tile_coords(s, j, rt):
+    """Rows and columns of block j for request tile rt at step s."""
     b_idx = rt * block_b + lane
     b_mask = b_idx < batch
     d = b_idx * steps + s  # draw (b, s): flat index b * S + s
-    v0 = j * block_v
-    cols = v0 + col
+    cols = j * block_v + col
     v_mask = cols < vocab  # also all False for j >= num_blocks
-    x = plgpu.load(base_ref.at[d[:, None], cols[None, :]],
-                   mask=b_mask[:, None] & v_mask[None, :],
-                   other=0).astype(jnp.float32)
+    return b_idx, b_mask, d, cols, v_mask
+
+  def load_base(s, j, rt, when=True):
+    _, b_mask, d, cols, v_mask = tile_coords(s, j, rt)
+    return plgpu.load(base_ref.at[d[:, None], cols[None, :]],
+                      mask=b_mask[:, None] & v_mask[None, :] & when, other=0)
+
+  def add_chunk(s, j, rt, c, token, acc, proj):
+    """acc + the bias of rank chunk c (proj: its [block_v, block_k] rows)."""
+    b_idx, b_mask, _, _, _ = tile_coords(s, j, rt)
     prev = prev_tokens(s, b_idx, b_mask, token)
+    k_cols = (c * block_k + jnp.arange(block_k))[None, :]
+    emb = plgpu.load(embed_ref.at[prev[:, None], k_cols],
+                     mask=b_mask[:, None] & (k_cols < rank), other=0)
+    return bias_chunk(acc, emb, proj, bias_dot=config.bias_dot,
+                      precision=precision)
 
-    def chunk(c, acc, proj):
-      k_cols = (c * block_k + jnp.arange(block_k))[None, :]
-      emb = plgpu.load(embed_ref.at[prev[:, None], k_cols],
-                       mask=b_mask[:, None] & (k_cols < rank), other=0)
-      return bias_chunk(acc, emb, proj, bias_dot=config.bias_dot,
-                        precision=precision)
-
-    if held_chunks is None:
-      # Triton software-pipelines this loop: the next proj chunk is in
-      # flight while this one is summed.
-      x = jax.lax.fori_loop(
-          0, num_chunks, lambda c, acc: chunk(c, acc, proj_chunk(j, c)), x)
-    else:  # the same chunks in the same order: the same sums
-      for c in range(num_chunks):
-        x = chunk(c, x, held_chunks[c])
-
+  def finish(s, j, rt, x):
+    """Stores block j's logits x of tile rt to the cache, and its
+    statistics."""
+    _, b_mask, d, cols, v_mask = tile_coords(s, j, rt)
     if cache_rows_ref is None:
       rows, write = d, b_mask
     else:
@@ -199,20 +198,78 @@ def _draft_kernel(ins, outs, *, batch: int, steps: int, vocab: int, rank: int,
                 mask=write[:, None] & v_mask[None, :])
     scale = plgpu.load(params_ref.at[0, d], mask=b_mask, other=1.0)
     y_max, y_sum, y_arg = block_statistics(x, v_mask[None, :], scale[:, None],
-                                           v0)
+                                           j * block_v)
     in_range = b_mask & (j < num_blocks)
     plgpu.store(bmax_ref.at[d, j], y_max, mask=in_range)
     plgpu.store(bsum_ref.at[d, j], y_sum, mask=in_range)
     plgpu.store(barg_ref.at[d, j], y_arg, mask=in_range)
 
-  def one_block(s, j, token, held_chunks=None):
+  def held_block(s, t, token):
+    """Held block t (proj on chip) for every request tile."""
+    j = p + t * programs
+
+    def tile(rt, carry):
+      x = load_base(s, j, rt).astype(jnp.float32)
+      for c in range(num_chunks):  # the held chunks, in the streamed order
+        x = add_chunk(s, j, rt, c, token, x, held_proj[t][c])
+      finish(s, j, rt, x)
+      return carry
+
     if num_tiles == 1:
-      one_tile(s, j, 0, token, held_chunks)
+      tile(0, 0)
     else:
-      def tile(rt, carry):
-        one_tile(s, j, rt, token, held_chunks)
-        return carry
       jax.lax.fori_loop(0, num_tiles, tile, 0)
+
+  def streamed_blocks(s, token):
+    """This program's streamed blocks for every request tile.
+
+    One loop over (block, tile, chunk) units, not a loop of loops: Triton
+    software-pipelines only an innermost loop, so nested, each block would
+    drain the pipeline and wait out a full load latency (read from the
+    TTGIR: about 4 blocks a step, one program a multiprocessor, nothing
+    else to overlap it with). Flat, the proj and embedding chunks of the next
+    block are in flight while this block's last chunk is summed, and base is
+    loaded one block ahead, carried in registers across its chunks.
+    """
+    units = streamed * num_tiles
+    # lax.rem, not %: inside a loop, the Triton lowering of jnp's jitted
+    # remainder failed on its constant divisor.
+    odd = jax.lax.rem(s, 2) == 1
+
+    def unit(q):
+      u, rt = jax.lax.div(q, num_tiles), jax.lax.rem(q, num_tiles)
+      if config.serpentine:
+        # Odd steps take this program's streamed blocks in reverse, so a
+        # step starts on the proj blocks the step before read last (still
+        # in L2).
+        u = jnp.where(odd, streamed - 1 - u, u)
+      return p + (held + u) * programs, rt
+
+    def base_of(q, when):
+      j, rt = unit(q)
+      return load_base(s, j, rt, when & (q < units))
+
+    def body(i, carry):
+      acc, pending = carry
+      q, c = jax.lax.div(i, num_chunks), jax.lax.rem(i, num_chunks)
+      first = c == 0
+      j, rt = unit(q)
+      # A unit starts from its base (loaded a unit ago) and loads the next
+      # unit's base, to be waited for only a unit from now.
+      acc = jnp.where(first, pending.astype(jnp.float32), acc)
+      pending = jnp.where(first, base_of(q + 1, first), pending)
+      acc = add_chunk(s, j, rt, c, token, acc, proj_chunk(j, c))
+
+      @pl.when(c == num_chunks - 1)
+      def _finish():
+        finish(s, j, rt, acc)
+
+      return acc, pending
+
+    jax.lax.fori_loop(
+        0, units * num_chunks, body,
+        (jnp.zeros((block_b, block_v), jnp.float32),
+         base_of(jnp.zeros((), jnp.int32), True)))
 
   def draw(s, r):
     d = r * steps + s
@@ -224,22 +281,8 @@ def _draft_kernel(ins, outs, *, batch: int, steps: int, vocab: int, rank: int,
 
   def one_step(s, token):
     for t in range(held):
-      one_block(s, p + t * programs, token, held_proj[t])
-
-    # lax.rem, not %: inside a loop, the Triton lowering of jnp's jitted
-    # remainder failed on its constant divisor.
-    odd = jax.lax.rem(s, 2) == 1
-
-    def streamed_block(u, carry):
-      if config.serpentine:
-        # Odd steps take this program's streamed blocks in reverse, so a
-        # step starts on the proj blocks the step before read last (still
-        # in L2).
-        u = jnp.where(odd, streamed - 1 - u, u)
-      one_block(s, p + (held + u) * programs, token)
-      return carry
-
-    jax.lax.fori_loop(0, streamed, streamed_block, 0)
+      held_block(s, t, token)
+    streamed_blocks(s, token)
 
     # The step barrier. The counter only grows (P a step), so a program
     # already in the next step cannot make a slower one miss this step's

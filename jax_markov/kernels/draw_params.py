@@ -35,6 +35,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_markov.kernels import dependent_launch as dependent_launch_module
+from jax_markov.kernels.dependent_launch import wait_for_prior_kernels
 from jax_markov.reference import MIN_SCALE
 
 
@@ -127,9 +129,16 @@ def _draw_params_kernel(idx_ref, pos_ref, temperature_ref, seeds_ref, ids_ref,
                         anchor_idx_ref, num_reqs_ref, params_ref,
                         cache_rows_ref, anchors_ref, *, layout: ParamsLayout,
                         steps: int, steps_pow2: int, num_rows: int,
-                        num_ids: int, vocab_in: int, interpret: bool):
-  b = pl.program_id(0)
-  live = b < num_reqs_ref[0]
+                        num_ids: int, vocab_in: int, interpret: bool,
+                        dependent_launch: bool):
+  # Every input may come from the kernels just before the draft (the
+  # engine's), every output is read by the draft's other kernels: all after
+  # the wait, through b and zero.
+  b, zero = pl.program_id(0), 0
+  if dependent_launch:
+    zero = wait_for_prior_kernels(dependent_launch)
+    b = b + zero
+  live = b < num_reqs_ref[zero]
   s = jnp.arange(steps_pow2)
   s_mask = s < steps
   d = b * steps + s  # flat draw index, request-major
@@ -190,7 +199,7 @@ def _draw_params_kernel(idx_ref, pos_ref, temperature_ref, seeds_ref, ids_ref,
 
 def draw_params(idx, pos, temperature, seeds, ids, anchor_idx, num_reqs, *,
                 batch: int, steps: int, vocab_in: int, layout: ParamsLayout,
-                interpret: bool = False):
+                dependent_launch: bool = False, interpret: bool = False):
   """The per-draw parameters of a batch of ``batch`` requests.
 
   Args:
@@ -208,6 +217,10 @@ def draw_params(idx, pos, temperature, seeds, ids, anchor_idx, num_reqs, *,
     steps: S (static).
     vocab_in: rows of the embedding table; anchors are clamped into it.
     layout: which buffers are int64 word pairs (static).
+    dependent_launch: build for a programmatic dependent launch (static;
+      sm_90 or newer, not in the interpreter): the kernel waits for the
+      kernels before it first thing, then lets the next one start (see
+      :mod:`dependent_launch`).
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
@@ -215,12 +228,14 @@ def draw_params(idx, pos, temperature, seeds, ids, anchor_idx, num_reqs, *,
     the uniform; cache_rows int32 [B * S]: ``idx * S + s`` or -1; anchors
     int32 [B]), as the block and select passes take them.
   """
+  dependent_launch_module.check(dependent_launch, interpret=interpret)
   num_rows = temperature.shape[0]
   num_ids = ids.shape[0] // (2 if layout.ids_wide else 1)
   kernel = functools.partial(
       _draw_params_kernel, layout=layout, steps=steps,
       steps_pow2=pl.next_power_of_2(steps), num_rows=num_rows,
-      num_ids=num_ids, vocab_in=vocab_in, interpret=interpret)
+      num_ids=num_ids, vocab_in=vocab_in, interpret=interpret,
+      dependent_launch=dependent_launch)
   out_shape = (jax.ShapeDtypeStruct((3, batch * steps), jnp.float32),
                jax.ShapeDtypeStruct((batch * steps,), jnp.int32),
                jax.ShapeDtypeStruct((batch,), jnp.int32))

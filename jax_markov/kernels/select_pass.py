@@ -42,7 +42,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax_markov.kernels import dependent_launch as dependent_launch_module
 from jax_markov.kernels.config import KernelConfig
+from jax_markov.kernels.dependent_launch import wait_for_prior_kernels
 from jax_markov.kernels.named_call import named_call
 
 # The pallas_call's operands, in order: the inputs that are given, then the
@@ -147,8 +149,13 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
 
 
 def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
-                        block_v: int, steps: int, vocab: int, no_cache: bool):
+                        block_v: int, steps: int, vocab: int, no_cache: bool,
+                        dependent_launch: bool):
+  # Every access below reads what the block pass wrote, or writes what the
+  # next step's block pass reads: all after the wait, through b.
   b = pl.program_id(0)
+  if dependent_launch:
+    b = b + wait_for_prior_kernels(dependent_launch)
   d = b * steps + ins["step"][0]  # this draw's flat index in the [B * S] arrays
   columns_ref = ins.get("columns")
   # Written through the output ref: with tokens given, the same buffer as the
@@ -171,7 +178,7 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
                 tokens: jax.Array | None = None, *, config: KernelConfig,
                 num_steps: int, columns: jax.Array | None = None,
                 vocab: int | None = None, no_cache: bool = False,
-                interpret: bool = False):
+                dependent_launch: bool = False, interpret: bool = False):
   """Runs the select pass of one step.
 
   Args:
@@ -201,6 +208,10 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
     no_cache: greedy drafting (static): block_sum, cache, params and
       cache_rows are None, and every draw is the argmax from the block maxima
       and first-max indices (the block pass's no-cache variant).
+    dependent_launch: build for a programmatic dependent launch (static;
+      sm_90 or newer, not in the interpreter): the kernel waits for the
+      kernels before it first thing, then lets the next one start (see
+      :mod:`dependent_launch`).
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
@@ -214,6 +225,7 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
   order is that of the plain select pass; with no_cache the inputs are
   ``block_max, block_argmax, step, tokens, columns`` (those given).
   """
+  dependent_launch_module.check(dependent_launch, interpret=interpret)
   batch, num_blocks = block_max.shape
   if no_cache != (cache is None) or (no_cache and any(
       x is not None for x in (block_sum, params, cache_rows))):
@@ -237,7 +249,8 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
   kernel = functools.partial(
       _select_pass_kernel, num_blocks=num_blocks,
       blocks_pow2=pl.next_power_of_2(num_blocks), block_v=config.block_v,
-      steps=num_steps, vocab=vocab, no_cache=no_cache)
+      steps=num_steps, vocab=vocab, no_cache=no_cache,
+      dependent_launch=dependent_launch)
   given = dict(block_max=block_max, block_sum=block_sum,
                block_argmax=block_argmax, cache=cache, step=step,
                params=params, cache_rows=cache_rows, tokens=tokens,
