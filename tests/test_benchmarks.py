@@ -390,6 +390,16 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert tune_graph.main(["--batches", "4"]) == 2
 
 
+def test_stress_capture_cpu_refusal():
+  """benchmarks/stress_capture.py replays captured drafts: a clear refusal
+  without a GPU."""
+  torch = pytest.importorskip("torch")
+  from benchmarks import stress_capture
+  if not torch.cuda.is_available():
+    assert stress_capture.main(["--batches", "4", "--dependent-launch",
+                                "on"]) == 2
+
+
 def test_timeline_script_smoke(tmp_path):
   """benchmarks/timeline.py runs end to end on the tiny shape (on CPU the
   trace has no GPU kernels; the host issue times and the overrides still count)."""
