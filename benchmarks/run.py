@@ -357,11 +357,17 @@ class _Prepared:
   tokens(): runs the call on input set 0 and returns its tokens as a nested
   list [B][S]; meta: extra row fields; host_timed: also measure the host
   time of one call (``host_ms``), for the eager torch_bridge and seed_design.
+  keep: what the calls use but do not reference. A captured graph's replay
+  holds the graph, not the objects whose buffers it reads and writes (a
+  hook's scratch): they must live as long as the call does, or their memory
+  goes back to the allocator and a replay writes into whatever holds it next
+  (or, after ``empty_cache``, faults with an illegal memory access).
   """
 
-  def __init__(self, calls, tokens, meta=None, host_timed=False):
+  def __init__(self, calls, tokens, meta=None, host_timed=False, keep=()):
     self.calls, self.tokens, self.meta = calls, tokens, meta or {}
     self.host_timed = host_timed
+    self.keep = keep
 
 
 # Eager rows that also get ``host_ms``: the host time of one call.
@@ -652,7 +658,8 @@ class _TorchFamily:
       calls[0]()
       return samplers[0].tokens.cpu().tolist()
     return _Prepared(calls, tokens, meta,
-                     host_timed=impl in _HOST_TIMED and self.is_gpu)
+                     host_timed=impl in _HOST_TIMED and self.is_gpu,
+                     keep=samplers)
 
   def time(self, prep, repeats, group, warmup, warmup_s):
     torch = self.torch
@@ -1033,8 +1040,10 @@ class _BridgeFamily(_TorchFamily):
     def tokens():
       calls[0]()
       return specs[0].draft_tokens[:batch, :shape.S].cpu().tolist()
+    # The hooks own the scratch their captured graphs use (docs/limitations).
     return _Prepared(calls, tokens, meta,
-                     host_timed=not graph and self.is_gpu)
+                     host_timed=not graph and self.is_gpu,
+                     keep=(samplers, specs))
 
   def _prepare_dlpack(self, shape, batch, temperature, seeds, positions):
     torch, jax, jm = self.torch, self.jax, self.jm

@@ -1,27 +1,27 @@
-"""Replays captured native drafts as the benchmark harness does, to catch the
-open illegal-access defect (docs/limitations.md).
+"""Replays captured native drafts as the benchmark harness does, bit for bit
+(the hook-lifetime defect, docs/limitations.md).
 
   python -m benchmarks.stress_capture --shape dsv4 --batches 1 4 16 64 256 \\
       --dependent-launch on --rounds 2
   compute-sanitizer --tool memcheck python -m benchmarks.stress_capture ...
 
 In the benchmark harness (``python -m benchmarks``), captured native drafts
-failed with an illegal memory access in their first replays: sessions 7 and 8
-with a reduced vocabulary, session 11 twice in the dense mode with dependent
-launches on (B = 256 after B = 1 to 64 in one process; B = 4 after B = 1).
-The GPU tests never did. What the harness does and the tests do not: in one
-process, a fresh hook for each batch size (M = B, every bucket warmed up),
-captured with ``vllm_loop.capture_graph`` (two eager calls on a side stream,
-then the capture on the default stream), then replayed back to back. This
-does that (``tune_graph.captured_draft``) for ``--rounds`` rounds over the
-batches, and checks every batch's replayed tokens and cache bit for bit
-against what its eager calls wrote. A CUDA error propagates (the process
-exits non-zero); a mismatch exits 1.
+failed with an illegal memory access in their first replays (sessions 7, 8
+and 11). The cause (session 12): the harness kept only each graph's
+``replay`` and dropped the hook that owns the scratch the graph writes, then
+emptied torch's cache between batch sizes. This replays captured drafts as
+the harness does (a fresh hook for each batch size in one process, captured
+with ``vllm_loop.capture_graph``, replayed back to back) for ``--rounds``
+rounds over the batches, keeping each hook, and checks every batch's
+replayed tokens and cache bit for bit against what its eager calls wrote;
+``--drop-hook`` reproduces the harness's old mistake (expect a fault). A CUDA
+error propagates (the process exits non-zero); a mismatch exits 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 import time
 
@@ -33,8 +33,12 @@ from benchmarks.tune_graph import captured_draft  # noqa: E402
 
 
 def stress(shape, batch, round_index, temperature, replays,
-           dependent_launch) -> tuple[bool, float]:
+           dependent_launch, drop_hook=False) -> tuple[bool, float]:
   """One batch: capture, replay ``replays`` times back to back, compare.
+
+  drop_hook: drop the hook after the capture and empty torch's cache before
+  the replays, as the benchmark harness did until session 12 (the graph
+  then replays into scratch memory it no longer owns).
 
   Returns:
     (whether every replay left the eager draft's tokens and cache, ms per
@@ -42,9 +46,13 @@ def stress(shape, batch, round_index, temperature, replays,
   """
   inputs = common.torch_inputs(shape, batch, round_index,
                                torch.device("cuda"))
-  graph, spec, _ = captured_draft(shape, batch, inputs, temperature,
-                                  dependent_launch)
+  graph, spec, hook = captured_draft(shape, batch, inputs, temperature,
+                                     dependent_launch)
   torch.cuda.synchronize()
+  if drop_hook:
+    del hook
+    gc.collect()
+    torch.cuda.empty_cache()
   # The capture ran nothing: the buffers hold the eager calls' draft.
   want_tokens = spec.draft_tokens.clone()
   want_cache = spec.draft_logits.values.clone()
@@ -69,6 +77,9 @@ def main(argv=None):
   p.add_argument("--dependent-launch", default="auto",
                  choices=("auto", "on", "off"),
                  help="the hook's dependent_launch (auto: its default)")
+  p.add_argument("--drop-hook", action="store_true",
+                 help="drop each hook after its capture (the harness's old "
+                 "defect: expect a fault or a mismatch)")
   args = p.parse_args(argv)
   if not torch.cuda.is_available():
     print("stress_capture needs a CUDA GPU", file=sys.stderr)
@@ -78,7 +89,7 @@ def main(argv=None):
   for r in range(args.rounds):
     for batch in args.batches:
       same, ms = stress(shape, batch, r, args.temperature, args.replays,
-                        dependent)
+                        dependent, args.drop_hook)
       print(f"round {r} {shape.name} B={batch:4d}: {args.replays} replays, "
             f"{ms:.4f} ms each, {'bit for bit' if same else 'MISMATCH'}",
             flush=True)

@@ -630,3 +630,20 @@ def test_greedy_impls_skip_other_shapes_from_the_defaults(tmp_path):
   assert got == sorted([("good", "tiny", 0.0), ("good", "tiny", 1.0),
                         ("good", "tinyr", 0.0), ("good", "tinyr", 1.0),
                         ("jax_markov_greedy", "tinyr", 0.0)])
+
+
+def test_bridge_rows_keep_their_hooks(tmp_path):
+  """A captured graph does not hold the hook whose scratch it writes: the
+  harness keeps the hooks with the calls (docs/limitations.md; dropping them
+  was the illegal access of sessions 7, 8 and 11)."""
+  _torch()
+  from benchmarks import run
+  from torch_bridge import FusedMarkovSampler
+  result = run._Result(str(tmp_path / "r.json"), {})  # noqa: SLF001
+  fam = run._BridgeFamily(dict(uniforms={}), result, lambda _: None)  # noqa: SLF001
+  shape = common.SHAPES["tiny"]
+  fam.make_inputs(shape, 2, 2)
+  prep = fam.prepare("torch_bridge", shape, 2, 1.0)
+  samplers, specs = prep.keep
+  assert len(samplers) == len(specs) == len(prep.calls) == 2
+  assert all(isinstance(s, FusedMarkovSampler) for s in samplers)

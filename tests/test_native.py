@@ -192,8 +192,8 @@ def test_dependent_launch_choice(monkeypatch):
   use = native_plan.use_dependent_launch
   monkeypatch.delenv("JAX_MARKOV_DEPENDENT_LAUNCH", raising=False)
   assert use(True, (9, 0)) and use(True, (10, 0))
-  # Opt-in (docs/limitations.md): off unless asked for.
-  assert not use(None, (9, 0)) and not use(None, (8, 0))
+  # By default wherever the GPU has them.
+  assert use(None, (9, 0)) and use(None, (10, 0)) and not use(None, (8, 0))
   assert not use(False, (9, 0))
   monkeypatch.setenv("JAX_MARKOV_DEPENDENT_LAUNCH", "0")
   assert not use(None, (9, 0)) and use(True, (9, 0))

@@ -123,14 +123,19 @@ class FusedMarkovSampler:
         own eager path). The native runtime is captured.
       cache_dir: where lowered kernels are kept (default
         $JAX_MARKOV_CACHE_DIR or ~/.cache/jax_markov/native).
-      dependent_launch: experimental, opt-in: the native runtime's
-        select-pass buckets (B > 1) as programmatic dependent launches, each
-        kernel starting while the one before it ends (compute capability 9.0
-        or newer; docs/torch_bridge.md). 1-15% faster captured drafts on an
-        H200, but captured drafts with it hit an unexplained illegal memory
-        access in 2 of 5 benchmark-harness runs (docs/limitations.md): do
-        not serve with it. True, False, or None (default):
-        $JAX_MARKOV_DEPENDENT_LAUNCH ("1" / "0") where set, else off.
+      dependent_launch: the native runtime's select-pass buckets (B > 1)
+        as programmatic dependent launches, each kernel starting while the
+        one before it ends (compute capability 9.0 or newer;
+        docs/torch_bridge.md): 2-15% faster captured drafts at B >= 16 on
+        an H200. True, False, or None (default):
+        $JAX_MARKOV_DEPENDENT_LAUNCH ("1" / "0") where set, else wherever
+        the GPU has them.
+
+    The hook owns the scratch its draft uses (statistics, draw parameters,
+    tokens): keep it alive as long as any CUDA graph captured with it may be
+    replayed. A graph does not hold the hook; replayed after the hook is
+    gone, it writes into memory the allocator has handed to others, or,
+    once that memory is released, faults with an illegal memory access.
     """
     if isinstance(dtype, str):
       dtype = getattr(torch, dtype.removeprefix("torch."), None)

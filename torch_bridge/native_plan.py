@@ -101,15 +101,14 @@ def use_dependent_launch(asked: bool | None,
                          capability: tuple[int, int]) -> bool:
   """Whether the plans may use programmatic dependent launches: ``asked``,
   or (None) $JAX_MARKOV_DEPENDENT_LAUNCH ("1" or "0") where it is set, else
-  not. Opt-in: in the benchmark harness, captured drafts with them failed
-  with an illegal memory access in 2 of 5 runs on an H200 (unexplained;
-  docs/limitations.md). Which buckets use them: :func:`bucket_dependent_launch`.
-  Raises ValueError where asked for on a GPU below sm_90."""
+  wherever the GPU has them (compute capability 9.0 or newer). Which buckets
+  use them: :func:`bucket_dependent_launch`. Raises ValueError where asked
+  for (argument or variable) on a GPU below sm_90."""
   supported = tuple(capability) >= dependent_launch.MIN_CAPABILITY
   if asked is None:
     env = os.environ.get("JAX_MARKOV_DEPENDENT_LAUNCH")
     if env is None:
-      return False
+      return supported
     if env not in ("0", "1"):
       raise ValueError("JAX_MARKOV_DEPENDENT_LAUNCH must be '0' or '1', got "
                        f"{env!r}")
