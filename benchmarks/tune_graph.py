@@ -151,9 +151,9 @@ def main(argv=None):
                  "table: the table's entry only")
   p.add_argument("--dependent-launch", default="auto",
                  choices=("auto", "on", "off", "both"),
-                 help="the hook's dependent_launch (auto: its default, off "
-                 "unless $JAX_MARKOV_DEPENDENT_LAUNCH=1); both: each "
-                 "configuration off, then on")
+                 help="the hook's dependent_launch (auto: its default, on "
+                 "for sm_90+ unless $JAX_MARKOV_DEPENDENT_LAUNCH=0); both: "
+                 "each configuration off, then on")
   args = p.parse_args(argv)
   if not torch.cuda.is_available():
     print("tune_graph needs a CUDA GPU", file=sys.stderr)
