@@ -22,6 +22,7 @@ from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
 from jax_markov.kernels.draft_pass import draft_pass
+from jax_markov.kernels import mosaic_block_pass
 from jax_markov.kernels.select_pass import select_pass
 
 
@@ -33,6 +34,10 @@ def _as_array(x) -> jax.Array:
 @functools.cache
 def _default_backend() -> str:
   return jax.default_backend()  # ~3 us a call: looked up once
+
+
+def _dtype(x):
+  return jnp.dtype(getattr(x, "dtype", None) or jnp.asarray(x).dtype)
 
 
 def _interpret_default(interpret: bool | None) -> bool:
@@ -83,9 +88,34 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     return tokens.reshape(B, S), cache
 
   tail = config.select == "tail"
+  if config.method == "mosaic" and (
+      interpret or cache_rows is not None or columns is not None
+      or slots is not None or no_cache):
+    raise ValueError(
+        "method='mosaic' runs sample_draft on a Hopper GPU only: not in the "
+        "interpreter, not with sample_draft_into's state rows, a reduced "
+        "vocabulary or greedy_draft (use 'fused' there)")
+
+  def mosaic_step(cache, tokens, s):
+    # XLA gathers the previous tokens' embedding rows and this step's 1 / T;
+    # the kernel keeps the embeddings in shared memory.
+    prev = anchor_tokens if tokens is None else jax.lax.dynamic_index_in_dim(
+        tokens.reshape(B, S), s[0] - 1, axis=1, keepdims=False)
+    scale = jax.lax.dynamic_index_in_dim(params[0].reshape(B, S), s[0],
+                                         axis=1, keepdims=False)
+    return mosaic_block_pass.mosaic_block_pass(
+        base_flat, head.embed[prev], head.proj, scale, s, cache, num_steps=S,
+        block_b=config.block_b, block_v=config.block_v,
+        max_concurrent_steps=(config.num_stages if config.num_stages >= 2
+                              else None))
 
   def step(cache, tokens, counters, s):
     """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
+    if config.method == "mosaic":
+      cache, bmax, bsum, barg = mosaic_step(cache, tokens, s)
+      tokens = select_pass(bmax, bsum, barg, cache, s, params, None, tokens,
+                           config=config, num_steps=S, vocab=V)
+      return cache, tokens, counters
     if config.method == "fused":
       # The block pass gathers the previous tokens' embedding rows itself.
       bias_or_head = (head.embed, head.proj, anchor_tokens)
@@ -341,7 +371,13 @@ def _target_map(draft_to_target, target_vocab, vocab, head, config,
               target_vocab=int(target_vocab))
 
 
-def _config(config, method, batch, vocab, rank, interpret, stepwise=False):
+@functools.cache
+def _mosaic_available() -> bool:
+  return mosaic_block_pass.available()[0]
+
+
+def _config(config, method, batch, vocab, rank, interpret, stepwise=False,
+            hopper=False):
   """The launch configuration: the caller's, or the tuning table's.
 
   vocab is the block pass's grid: V, or with a reduced vocabulary the
@@ -349,14 +385,18 @@ def _config(config, method, batch, vocab, rank, interpret, stepwise=False):
   when drafting greedily. ``stepwise``: the draft must run step by step (a
   reduced vocabulary, greedy drafting), which the one-launch persistent
   draft does not; the table's persistent choice then runs step by step with
-  the same tile (tuning.stepwise; as the native runtime does).
+  the same tile (tuning.stepwise; as the native runtime does). ``hopper``:
+  the call could run the Mosaic GPU block pass (tuning.choose), if this
+  machine can.
   """
   if config is not None:
     if method is not None and method != config.method:
       raise ValueError(f"method={method!r} disagrees with config.method="
                        f"{config.method!r}")
     return config
-  config = tuning.choose(method, batch, vocab, rank, interpret=interpret)
+  hopper = hopper and not interpret and _mosaic_available()
+  config = tuning.choose(method, batch, vocab, rank, interpret=interpret,
+                         hopper=hopper)
   return tuning.stepwise(config) if stepwise else config
 
 
@@ -385,9 +425,12 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
     positions: int [B, S] in [0, 2^31), the position each draw is keyed by.
     interpret: run the Pallas kernels in interpret mode; None picks it on any
       backend but GPU.
-    method: "fused" (the bias dot inside the block pass) or "xla_bias" (the
-      bias GEMM in XLA, as vLLM's design); None picks the faster one for the
-      shape (kernels/tuning.py).
+    method: "fused" (the bias dot inside the block pass), "xla_bias" (the
+      bias GEMM in XLA, as vLLM's design) or "mosaic" (the fused block pass
+      as a Mosaic GPU kernel: Hopper, bfloat16, B a multiple of 64, V of
+      128, R of 64; no draft_to_target); None picks the faster one for the
+      shape (kernels/tuning.py), Mosaic GPU only where the table has it and
+      the GPU is a Hopper.
     config: a full launch configuration, overriding the tuning table.
     check_values: read concrete arguments to check their values (waits for
       device arrays; inside jit nothing is read either way).
@@ -424,8 +467,11 @@ def sample_draft(base_logits, anchor_tokens, head: MarkovHead, temperature,
                        check_values)
   map_kw.pop("permute", None)  # any map order: the slots are in target order
   # With a map the block pass walks the target columns.
+  # The Mosaic GPU block pass takes bfloat16 and the plain layout only.
+  hopper = (not map_kw and _dtype(base_logits) == jnp.bfloat16
+            and head.proj.dtype == jnp.bfloat16)
   config = _config(config, method, B, map_kw.get("target_vocab", V),
-                   head.rank, interpret, stepwise=bool(map_kw))
+                   head.rank, interpret, stepwise=bool(map_kw), hopper=hopper)
   return _sample_draft(_as_array(base_logits), _as_array(anchor_tokens),
                        head, _as_array(temperature), words,
                        _as_array(positions), config=config,

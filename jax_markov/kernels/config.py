@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-METHODS = ("fused", "xla_bias")
+METHODS = ("fused", "xla_bias", "mosaic")
 K_LOOPS = ("fori", "static")
 BIAS_DOTS = ("mma", "fma")
 SELECTS = ("pass", "tail", "persistent")
@@ -23,7 +23,11 @@ class KernelConfig:
   Attributes:
     method: "fused" (the bias dot inside the block pass) or "xla_bias" (an
       XLA GEMM writes the bias [B, V] to HBM and the block pass reads it:
-      vLLM's design).
+      vLLM's design), or "mosaic": the fused block pass as a Pallas Mosaic
+      GPU kernel (kernels/mosaic_block_pass.py; Hopper only, bfloat16, the
+      dense layout, no reduced vocabulary, no interpreter), block_b 64 or
+      128, block_v 64 or 128, num_stages its proj chunks in flight (< 2:
+      as many as fit in shared memory); the select pass stays Triton.
     block_b: requests per block-pass program (1 for "xla_bias").
     block_v: vocabulary columns per block-pass program (power of two).
     block_k: rank columns per dot, fused only (power of two >= 16).
@@ -102,6 +106,14 @@ class KernelConfig:
       raise ValueError(
           "select='persistent' needs the fused method and proj_l2_rows=0, "
           f"got method={self.method!r}, proj_l2_rows={self.proj_l2_rows}")
+    if self.method == "mosaic" and not (
+        self.block_b in (64, 128) and self.block_v in (64, 128)
+        and self.select == "pass" and self.proj_l2_rows == 0):
+      raise ValueError(
+          "method='mosaic' needs block_b and block_v in (64, 128), "
+          "select='pass' and proj_l2_rows=0, got "
+          f"block_b={self.block_b}, block_v={self.block_v}, "
+          f"select={self.select!r}, proj_l2_rows={self.proj_l2_rows}")
     if self.proj_l2_rows < 0 or (self.proj_l2_rows and not fused):
       raise ValueError("proj_l2_rows must be >= 0 and needs the fused method, "
                        f"got {self.proj_l2_rows} (method={self.method!r})")

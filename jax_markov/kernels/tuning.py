@@ -14,7 +14,11 @@ rule:
   accumulator stays in registers); rank chunks of 64 in a loop Triton
   pipelines 3 stages deep;
 * xla_bias (selectable; vLLM's design, the bias GEMM in XLA): one request
-  per program, vocabulary blocks of 1024 at B <= 4 and 4096 above.
+  per program, vocabulary blocks of 1024 at B <= 4 and 4096 above;
+* mosaic (Hopper, the JAX sampler's dense layout; kernels/mosaic_block_pass.py):
+  the table's entry where the caller says it can run it (``hopper``), else
+  when asked for: 128-request tiles where they divide B, else 64, and 64
+  vocabulary columns a statistics block.
 
 The persistent draft (select="persistent": the whole draft in one launch,
 request tiles on either dot, proj held on chip with held_blocks) is
@@ -66,6 +70,12 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     ("fused", 129280, 256, 256): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
         num_stages=3),
+    # The Mosaic GPU block pass (Hopper), picked by choose(hopper=True) for
+    # batches it divides into request tiles: mosaic_check.py on an H200,
+    # B = 256: 98.8 us a step against the Triton entry's 120 us
+    # (docs/perf-notes.md change 34).
+    ("mosaic", 129280, 256, 256): KernelConfig(
+        method="mosaic", block_b=128, block_v=64, num_stages=8),
     ("xla_bias", 129280, 256, 1): KernelConfig(
         method="xla_bias", block_b=1, block_v=4096, block_k=64, num_warps=8,
         num_stages=1),
@@ -94,14 +104,36 @@ def stepwise(config: KernelConfig) -> KernelConfig:
       held_blocks=0)
 
 
+def _mosaic_rule(batch: int) -> KernelConfig:
+  return KernelConfig(method="mosaic", block_b=128 if batch % 128 == 0 else 64,
+                      block_v=64, num_stages=0)
+
+
 @functools.lru_cache(maxsize=256)  # runs on every call of the sampler
 def choose(method: str | None, batch: int, vocab: int, rank: int, *,
-           interpret: bool) -> KernelConfig:
-  """The configuration for a shape: the table's entry, else the rule above."""
+           interpret: bool, hopper: bool = False) -> KernelConfig:
+  """The configuration for a shape: the table's entry, else the rule above.
+
+  hopper: the caller can run the Mosaic GPU block pass (a Hopper GPU, bf16
+  operands, the dense layout, no reduced vocabulary: see
+  :func:`mosaic_block_pass.available`); with method None the table's
+  "mosaic" entry for the shape then wins where the batch fills its request
+  tiles. method="mosaic" asks for it whatever the table says.
+  """
   if method is None:
     method = default_method(batch, vocab, rank)
+    entry = TABLE.get(("mosaic", vocab, rank, _batch_bucket(batch)))
+    if (hopper and not interpret and entry is not None
+        and batch % entry.block_b == 0):
+      return entry
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
+  if method == "mosaic":
+    if interpret:
+      raise ValueError("method='mosaic' has no interpreter: it runs on a "
+                       "Hopper GPU only (use 'fused' on the CPU)")
+    return TABLE.get((method, vocab, rank, _batch_bucket(batch)),
+                     _mosaic_rule(batch))
   if interpret:
     # The interpreter loops over the grid on the CPU: few, large programs.
     if method == "xla_bias":

@@ -1,0 +1,499 @@
+"""The fused block pass as a Pallas Mosaic GPU (Hopper) kernel, for large B.
+
+A prototype of the dense "fused" mode of :mod:`block_pass` (no tail select,
+slots, columns, cache rows or dependent launch): for one step s of an S-step
+draft it forms the pre-temperature logits
+
+  x[b, v] = base[b * S + s, v] + sum_r emb[b, r] * proj[v, r]   (float32)
+
+stores them to cache row b * S + s in place, and reduces each request's
+row over every vocabulary block of ``block_v`` columns to the block's max,
+first argmax and sum of exp of y = x / T, as :func:`block_pass.block_statistics`
+does.
+
+Why a second kernel: the Triton block pass re-reads its embedding tile and
+its proj tile from L2 in every program and streams ~265 MB a step at B = 256
+at ~2.4 TB/s. Here a CTA keeps its request tile's embeddings in shared
+memory for its whole run and streams only proj and base through TMA, with a
+producer warpgroup running ahead of two consumer warpgroups (the structure
+of JAX's hopper_matmul_mgpu.py and attention_mgpu.py).
+
+Kernel layout (all static, chosen by :func:`plan`):
+
+* grid (vocabulary workers, request tiles); Mosaic GPU maps the last grid
+  axis to blockIdx.x, so the request tile is the fastest index: the CTAs
+  that read the same proj tile run side by side and the second read hits
+  L2. Worker c takes the vocabulary tiles c, c + G, c + 2G, ... of
+  ``cta_v`` columns each (G workers, about one CTA per SM).
+* 3 warpgroups: warpgroup 2 issues every TMA load; warpgroups 0 and 1 each
+  own a 64-request x ``block_v`` tile of every vocabulary tile: with
+  ``block_b`` = 128 they split the requests (cta_v = block_v), with
+  ``block_b`` = 64 they split the columns (cta_v = 2 * block_v).
+* shared memory: the [block_b, R] embedding tile (loaded once), a ring of
+  ``max_concurrent_steps`` proj chunks [cta_v, 64] (R is walked in chunks of
+  64 columns: one 128-byte swizzle row of bf16), a ring of 2 base tiles
+  [block_b, cta_v], per consumer ``out_slots`` float32 [64, 64] staging tiles
+  for the cache stores and one [64] row of each statistic.
+* the statistics leave the kernel vocabulary-block-major, [NB, B], and are
+  transposed to [B, NB] by XLA: a TMA store into [B, NB] would need NB * 4
+  bytes to be a multiple of 16 (NB = 1010 at V = 129280, block_v = 128 is
+  not), and a [64]-row of [NB, B] is one contiguous 256-byte TMA.
+
+Mosaic GPU only: there is no interpreter path (use :mod:`block_pass` with
+``interpret=True`` for CPU semantics). Importing this module never fails; a
+call raises ImportError where Pallas Mosaic GPU is missing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+try:  # Guarded: the module imports (and validates) without Mosaic GPU.
+  from jax.experimental import pallas as pl
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  _IMPORT_ERROR = None
+except ImportError as e:  # pragma: no cover - depends on the jaxlib build
+  pl = plgpu = None
+  _IMPORT_ERROR = e
+
+# Rows of one WGMMA accumulator: a consumer warpgroup owns 64 requests.
+WG_ROWS = 64
+# Columns of R per proj / embedding chunk: 64 bf16 are one 128-byte swizzle
+# row, the widest TMA / WGMMA swizzle.
+TILE_K = 64
+# Columns of one cache staging tile: 64 float32 are two 128-byte rows.
+EPI_V = 64
+NUM_COMPUTE_WGS = 2
+# Dynamic shared memory per CTA on sm_90 (227 KiB), less a margin for the
+# barriers and Mosaic's own scratch.
+SMEM_LIMIT = 227 * 1024 - 2048
+DEFAULT_NUM_SMS = 132  # H100 SXM / H200
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The static layout of one launch (see the module docstring)."""
+  batch: int
+  steps: int
+  vocab: int
+  rank: int
+  block_b: int
+  block_v: int
+  cta_v: int          # columns a CTA covers per vocabulary tile
+  split_v: bool       # the consumers split columns (block_b = 64) or rows
+  num_k: int          # proj / embedding chunks of TILE_K columns
+  stages: int         # proj chunks in flight (max_concurrent_steps)
+  out_slots: int      # cache staging tiles per consumer
+  num_b_tiles: int
+  num_v_tiles: int
+  grid_v: int         # vocabulary workers
+
+  @property
+  def num_blocks(self) -> int:
+    return self.vocab // self.block_v
+
+  @property
+  def smem_bytes(self) -> int:
+    return smem_bytes(self.block_b, self.cta_v, self.rank, self.block_v,
+                      self.stages, self.out_slots)
+
+
+def smem_bytes(block_b: int, cta_v: int, rank: int, block_v: int, stages: int,
+               out_slots: int) -> int:
+  """Shared memory of one CTA, in bytes (barriers excluded)."""
+  emb = block_b * rank * 2
+  proj = stages * cta_v * TILE_K * 2
+  base = 2 * block_b * cta_v * 2
+  out = NUM_COMPUTE_WGS * out_slots * WG_ROWS * EPI_V * 4
+  stats = 3 * NUM_COMPUTE_WGS * WG_ROWS * 4
+  del block_v
+  return emb + proj + base + out + stats
+
+
+def available() -> tuple[bool, str]:
+  """(whether this kernel runs on the default device, why not)."""
+  if plgpu is None:
+    return False, f"Pallas Mosaic GPU is not importable ({_IMPORT_ERROR})"
+  try:
+    device = jax.devices()[0]
+  except RuntimeError as e:
+    return False, f"no JAX device ({e})"
+  if device.platform != "gpu":
+    return False, f"the default device is {device.platform}, not a GPU"
+  # wgmma is sm_90a only: neither Ampere nor Blackwell runs this kernel.
+  capability = getattr(device, "compute_capability", "")
+  if capability != "9.0":
+    return False, f"compute capability {capability!r}, not 9.0 (Hopper)"
+  return True, "a Hopper GPU with Pallas Mosaic GPU"
+
+
+def _num_sms() -> int:
+  try:
+    device = jax.devices()[0]
+    if device.platform == "gpu":
+      return int(device.core_count)
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return DEFAULT_NUM_SMS
+
+
+def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
+         block_b: int | None, block_v: int,
+         max_concurrent_steps: int | None, num_sms: int | None) -> Plan:
+  """Checks the shapes and picks the tiles; raises ValueError if unsupported."""
+  if num_steps < 1:
+    raise ValueError(f"num_steps must be >= 1, got {num_steps}")
+  if len(base_shape) != 2 or base_shape[0] % num_steps:
+    raise ValueError(f"base must be [B * S, V] with S = num_steps = "
+                     f"{num_steps}, got {list(base_shape)}")
+  batch, vocab = base_shape[0] // num_steps, base_shape[1]
+  if len(emb_shape) != 2 or emb_shape[0] != batch:
+    raise ValueError(f"emb must be [B, R] = [{batch}, R], got "
+                     f"{list(emb_shape)}")
+  rank = emb_shape[1]
+  if tuple(proj_shape) != (vocab, rank):
+    raise ValueError(f"proj must be [V, R] = [{vocab}, {rank}], got "
+                     f"{list(proj_shape)}")
+  if rank % TILE_K or rank == 0:
+    raise ValueError(f"R = {rank} must be a positive multiple of {TILE_K}")
+  if block_v not in (64, 128):
+    raise ValueError(f"block_v must be 64 or 128, got {block_v}")
+  if block_b is None:
+    block_b = 128 if batch % 128 == 0 else 64
+  if block_b not in (64, 128):
+    raise ValueError(f"block_b must be 64 or 128, got {block_b}")
+  if batch % block_b:
+    raise ValueError(f"B = {batch} must be a multiple of block_b = {block_b}")
+  split_v = block_b == WG_ROWS
+  cta_v = block_v * (NUM_COMPUTE_WGS if split_v else 1)
+  if vocab % block_v:
+    raise ValueError(f"V = {vocab} must be a multiple of block_v = {block_v}")
+  if vocab % cta_v:
+    raise ValueError(
+        f"V = {vocab} must be a multiple of {cta_v} (with block_b = 64 the "
+        f"two consumer warpgroups take block_v = {block_v} columns each)")
+  num_k = rank // TILE_K
+  if max_concurrent_steps is not None:
+    if max_concurrent_steps < 2:
+      raise ValueError("max_concurrent_steps (proj chunks in flight) must "
+                       f"be >= 2, got {max_concurrent_steps}")
+    candidates = [(max_concurrent_steps, e) for e in (2, 1)]
+  else:
+    # Prefer up to two whole proj tiles in flight (a step's chunks all land
+    # during the step before it), then double-buffered cache staging.
+    candidates = [(p, e) for p in range(2 * num_k, 1, -1) for e in (2, 1)]
+  fitting = [(p, e) for p, e in candidates
+             if smem_bytes(block_b, cta_v, rank, block_v, p, e) <= SMEM_LIMIT]
+  if not fitting:
+    need = smem_bytes(block_b, cta_v, rank, block_v, candidates[-1][0], 1)
+    raise ValueError(
+        f"block_b = {block_b}, block_v = {block_v}, R = {rank}, "
+        f"max_concurrent_steps = {candidates[-1][0]} need {need} bytes of "
+        f"shared memory, more than {SMEM_LIMIT}")
+  stages, out_slots = fitting[0]
+  num_b_tiles = batch // block_b
+  num_v_tiles = vocab // cta_v
+  sms = num_sms or _num_sms()
+  grid_v = max(1, min(num_v_tiles, sms // num_b_tiles))
+  return Plan(batch=batch, steps=num_steps, vocab=vocab, rank=rank,
+              block_b=block_b, block_v=block_v, cta_v=cta_v, split_v=split_v,
+              num_k=num_k, stages=stages, out_slots=out_slots,
+              num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
+
+
+def _swizzled(dtype):
+  """Tiling + 128-byte swizzle: the layout TMA writes and WGMMA reads."""
+  elems = 128 // jnp.dtype(dtype).itemsize
+  return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128))
+
+
+def _kernel(base_gmem, emb_gmem, proj_gmem, scale_gmem, step_gmem, cache_gmem,
+            bmax_gmem, bsum_gmem, barg_gmem, *, p: Plan):
+  """One CTA: request tile lax.axis_index("b"), worker lax.axis_index("v").
+
+  base_gmem / cache_gmem are [B, S, V] views: a TMA box indexes the step as a
+  squeezed middle dimension, so only rows b * S + step are touched.
+  b{max,sum,arg}_gmem are [NB, B] (transposed by the wrapper).
+  """
+  block_b, block_v, cta_v = p.block_b, p.block_v, p.cta_v
+  num_k, stages, out_slots = p.num_k, p.stages, p.out_slots
+  n_epi = block_v // EPI_V
+  bf16, f32 = jnp.bfloat16, jnp.float32
+
+  b_tile = lax.axis_index("b")
+  worker = lax.axis_index("v")
+  wg = lax.axis_index("wg")
+  b0 = b_tile * block_b
+  # Tiles worker, worker + G, ...: every worker gets floor or ceil of
+  # num_v_tiles / G of them.
+  grid_v = jnp.int32(p.grid_v)
+  num_t = lax.div(jnp.int32(p.num_v_tiles) - worker + grid_v - 1, grid_v)
+
+  def tile_v0(t):
+    return (worker + t * grid_v) * cta_v
+
+  def body(emb_smem, proj_smem, base_smem, out_smem, max_smem, sum_smem,
+           arg_smem, emb_bar, proj_bar, base_bar, proj_free, base_free):
+    # Every waiter waits on every phase of the barriers it uses (Mosaic keeps
+    # one parity bit per barrier per thread): consumers on each proj chunk
+    # and base tile, the producer on each release of a slot it refills.
+
+    @pl.when(wg == NUM_COMPUTE_WGS)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      step = step_gmem[0]
+      for k in range(num_k):  # once per CTA; separate barriers, one per TMA
+        plgpu.copy_gmem_to_smem(
+            emb_gmem.at[pl.ds(b0, block_b), pl.ds(k * TILE_K, TILE_K)],
+            emb_smem.at[k], emb_bar.at[k])
+
+      @pl.loop(0, num_t)
+      def _load(t):
+        v0 = tile_v0(t)
+        slot = lax.rem(t, 2)
+
+        @pl.when(t >= 2)
+        def _():
+          plgpu.barrier_wait(base_free.at[slot])
+
+        plgpu.copy_gmem_to_smem(
+            base_gmem.at[pl.ds(b0, block_b), step, pl.ds(v0, cta_v)],
+            base_smem.at[slot], base_bar.at[slot])
+        for k in range(num_k):
+          g = t * num_k + k  # proj chunks are numbered across tiles
+          ps = lax.rem(g, stages)
+
+          @pl.when(g >= stages)
+          def _():
+            plgpu.barrier_wait(proj_free.at[ps])
+
+          plgpu.copy_gmem_to_smem(
+              proj_gmem.at[pl.ds(v0, cta_v), pl.ds(k * TILE_K, TILE_K)],
+              proj_smem.at[ps], proj_bar.at[ps])
+
+    @pl.when(wg < NUM_COMPUTE_WGS)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+      step = step_gmem[0]
+      row_off = 0 if p.split_v else wg * WG_ROWS
+      col_off = wg * block_v if p.split_v else 0
+      r0 = b0 + row_off
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      scale = plgpu.load(scale_gmem.at[pl.ds(r0, WG_ROWS)], (),
+                         layout=row_layout, optimized=False)
+      scale_tile = lax.broadcast_in_dim(scale, (WG_ROWS, block_v), [0])
+      cols = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_v), 1,
+                                    layout=plgpu.Layout.WGMMA)
+      for k in range(num_k):
+        plgpu.barrier_wait(emb_bar.at[k])
+
+      @pl.loop(0, num_t)
+      def _tile(t):
+        v0 = tile_v0(t) + col_off  # this warpgroup's first column
+        slot = lax.rem(t, 2)
+
+        def mma(acc_ref):
+          prev = None
+          for k in range(num_k):
+            ps = lax.rem(t * num_k + k, stages)
+            plgpu.barrier_wait(proj_bar.at[ps])
+            # emb [64, 64] @ proj chunk^T: proj rows are vocabulary-major.
+            plgpu.wgmma(acc_ref,
+                        emb_smem.at[k, pl.ds(row_off, WG_ROWS)],
+                        plgpu.transpose_ref(
+                            proj_smem.at[ps, pl.ds(col_off, block_v)], (1, 0)))
+            if prev is not None:
+              # The chunk before has been read by the tensor cores once at
+              # most one WGMMA is in flight: hand its slot back.
+              plgpu.wgmma_wait(1)
+              plgpu.barrier_arrive(proj_free.at[prev])
+            prev = ps
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(proj_free.at[prev])
+          return acc_ref[...]
+
+        acc = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, block_v), f32))
+
+        plgpu.barrier_wait(base_bar.at[slot])
+        base = base_smem.at[slot, pl.ds(row_off, WG_ROWS),
+                            pl.ds(col_off, block_v)][...]
+        x = acc + base.astype(f32)
+        # Every thread arrives after its own loads (release): the producer
+        # may refill the slot.
+        plgpu.barrier_arrive(base_free.at[slot])
+
+        # The cache holds pre-temperature logits. Its stores are issued
+        # before the statistics so the TMA runs under their arithmetic.
+        for e in range(n_epi):
+          if out_slots == 1:
+            o = 0
+          else:
+            o = lax.rem(t * n_epi + e, out_slots)
+          # The staging tile's last store (out_slots tiles ago, possibly a
+          # statistics group in between) has been read.
+          plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
+          out_smem[wg, o] = x[:, e * EPI_V:(e + 1) * EPI_V]
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(
+              out_smem.at[wg, o],
+              cache_gmem.at[pl.ds(r0, WG_ROWS), step,
+                            pl.ds(v0 + e * EPI_V, EPI_V)])
+
+        # block_statistics: NaN counts as -inf; the first max column wins.
+        y = jnp.where(x == x, x, -jnp.inf) * scale_tile
+        y_max = y.max(axis=1)
+        y_max_tile = lax.broadcast_in_dim(y_max, y.shape, [0])
+        first = jnp.where(y == y_max_tile, cols, block_v).min(axis=1)
+        # An all -inf block sums to 0 (not exp(nan)); a +inf max gives inf.
+        finite = jnp.where((y_max > -jnp.inf) & (y_max < jnp.inf), y_max, 0.0)
+        y_sum = jnp.exp(
+            y - lax.broadcast_in_dim(finite, y.shape, [0])).sum(axis=1)
+
+        # The previous tile's statistics group (issued before this tile's
+        # n_epi cache groups) has been read.
+        plgpu.wait_smem_to_gmem(n_epi, wait_read_only=True)
+        max_smem[wg] = y_max
+        sum_smem[wg] = y_sum
+        arg_smem[wg] = first + v0
+        plgpu.commit_smem()
+        j = lax.div(v0, jnp.int32(block_v))
+        rows = pl.ds(r0, WG_ROWS)
+        plgpu.copy_smem_to_gmem(max_smem.at[wg], bmax_gmem.at[j, rows],
+                                commit_group=False)
+        plgpu.copy_smem_to_gmem(sum_smem.at[wg], bsum_gmem.at[j, rows],
+                                commit_group=False)
+        plgpu.copy_smem_to_gmem(arg_smem.at[wg], barg_gmem.at[j, rows])
+
+      # Shared memory must outlive the stores that read it.
+      plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(
+      body,
+      plgpu.SMEM((num_k, block_b, TILE_K), bf16, transforms=_swizzled(bf16)),
+      plgpu.SMEM((stages, cta_v, TILE_K), bf16, transforms=_swizzled(bf16)),
+      plgpu.SMEM((2, block_b, cta_v), bf16, transforms=_swizzled(bf16)),
+      plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, EPI_V), f32,
+                 transforms=_swizzled(f32)),
+      plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
+      plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
+      plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.int32),
+      plgpu.Barrier(num_barriers=num_k),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=2),
+      # Released by both consumers.
+      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=2),
+      collective_axes="wg",
+  )
+
+
+def _check_dtypes(base, emb, proj, scale, step, cache, p: Plan):
+  want = dict(base=(base, jnp.bfloat16, (p.batch * p.steps, p.vocab)),
+              emb=(emb, jnp.bfloat16, (p.batch, p.rank)),
+              proj=(proj, jnp.bfloat16, (p.vocab, p.rank)),
+              scale=(scale, jnp.float32, (p.batch,)),
+              step=(step, jnp.int32, (1,)),
+              cache=(cache, jnp.float32, (p.batch * p.steps, p.vocab)))
+  for name, (x, dtype, shape) in want.items():
+    if x is None and name == "cache":
+      continue
+    if x.dtype != dtype or tuple(x.shape) != shape:
+      raise ValueError(f"{name} must be {jnp.dtype(dtype).name}{list(shape)}, "
+                       f"got {x.dtype}{list(x.shape)}")
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("num_steps", "block_b", "block_v", "max_concurrent_steps",
+                     "num_sms"),
+    donate_argnames=("cache",))
+def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
+                      scale: jax.Array, step: jax.Array, cache: jax.Array, *,
+                      num_steps: int, block_b: int | None = None,
+                      block_v: int = 128,
+                      max_concurrent_steps: int | None = None,
+                      num_sms: int | None = None):
+  """Runs one step of the fused block pass on Hopper (Mosaic GPU).
+
+  Draw (b, s) is row ``b * S + s`` of base and cache; this call reads and
+  writes the rows of step ``step[0]`` only. No interpreter mode: this lowers
+  only to Mosaic GPU (sm_90a); :func:`block_pass.block_pass` is the portable
+  reference.
+
+  Args:
+    base: bfloat16 [B * S, V], the base logits, request-major rows.
+    emb: bfloat16 [B, R], each request's previous-token embedding row.
+    proj: bfloat16 [V, R], the projection (vocabulary-major rows).
+    scale: float32 [B], 1 / T per request for this step (1 where greedy).
+    step: int32 [1], the step s (data, not static).
+    cache: float32 [B * S, V]; rows ``b * S + s`` are overwritten with x, the
+      rest is untouched. Donated: the update is in place (inside an outer
+      jit, donate the outer argument to avoid a copy of the cache). None:
+      a new cache of which only this step's rows are written (the rest is
+      uninitialised), as the sampler's step 0 makes it.
+    num_steps: S (static).
+    block_b: requests per CTA (static): 128 (two consumer warpgroups of 64
+      requests each) or 64 (the two split each vocabulary tile's columns);
+      None: 128 where B % 128 == 0, else 64.
+    block_v: vocabulary columns per statistics block (static), 64 or 128.
+    max_concurrent_steps: proj chunks ([cta_v, 64] bf16) in flight (static,
+      >= 2); None: the most that fit in shared memory, up to two tiles.
+    num_sms: CTAs to aim for (static); None: the GPU's SM count, or 132.
+
+  Returns:
+    (cache, block_max, block_sum, block_argmax): the cache float32
+    [B * S, V]; per request and block of ``block_v`` columns (NB = V //
+    block_v) float32 [B, NB] max of y = x * scale (NaN counts as -inf),
+    float32 [B, NB] sum of exp(y - m) with m the max where finite, else 0,
+    int32 [B, NB] vocabulary index of the first max.
+
+  Raises:
+    ValueError: shapes or dtypes other than the above, B % block_b != 0,
+      V % block_v != 0 (V % (2 * block_v) with block_b = 64), R % 64 != 0,
+      or tiles that do not fit in shared memory.
+    ImportError: Pallas Mosaic GPU is not available.
+  """
+  p = plan(base.shape, emb.shape, proj.shape, num_steps=num_steps,
+           block_b=block_b, block_v=block_v,
+           max_concurrent_steps=max_concurrent_steps, num_sms=num_sms)
+  _check_dtypes(base, emb, proj, scale, step, cache, p)
+  if plgpu is None:
+    raise ImportError("Pallas Mosaic GPU is unavailable") from _IMPORT_ERROR
+  B, S, V = p.batch, p.steps, p.vocab
+  stats_t = jax.ShapeDtypeStruct((p.num_blocks, B), jnp.float32)
+  out_type = (stats_t, stats_t,
+              jax.ShapeDtypeStruct((p.num_blocks, B), jnp.int32))
+  body = functools.partial(_kernel, p=p)
+  if cache is None:
+    # A new cache is a kernel output: only this step's rows are written (the
+    # sampler's steps after it write the others), so there is no memset.
+    out_type += (jax.ShapeDtypeStruct((B, S, V), jnp.float32),)
+
+    def body(base, emb, proj, scale, step, bmax, bsum, barg, cache):
+      _kernel(base, emb, proj, scale, step, cache, bmax, bsum, barg, p=p)
+
+  # pl.kernel on a plgpu.Mesh rather than plgpu.kernel: the latter wraps the
+  # call in a custom_vmap that does not take Ref operands (the aliased cache).
+  kernel = pl.kernel(
+      body,
+      out_type=out_type,
+      mesh=plgpu.Mesh(grid=(p.grid_v, p.num_b_tiles), grid_names=("v", "b"),
+                      num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg"),
+      compiler_params=plgpu.CompilerParams(),
+      name="mosaic_block_pass",
+  )
+  operands = (base.reshape(B, S, V), emb, proj, scale, step)
+  if cache is None:
+    bmax_t, bsum_t, barg_t, cache = kernel(*operands)
+  else:
+    # [B, S, V] views are bitcasts. A Ref operand of a Mosaic GPU kernel is
+    # aliased in and out, which is the in-place cache update.
+    cache_ref = jax.new_ref(cache.reshape(B, S, V))
+    bmax_t, bsum_t, barg_t = kernel(*operands, cache_ref)
+    cache = jax.freeze(cache_ref)
+  return cache.reshape(B * S, V), bmax_t.T, bsum_t.T, barg_t.T

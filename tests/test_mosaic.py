@@ -1,0 +1,135 @@
+"""The Mosaic GPU block pass (method="mosaic") against the contract, on a Hopper GPU.
+
+The same checks the Triton kernels pass: the sampler's draft against the
+float64 reference (check_sample_draft: logits within Higham's bound, each
+token drawn by the inverse CDF of the reference's u, greedy at T = 0), the
+same draft as the fused Triton block pass within float32 rounding
+(assert_sample_drafts_agree), and the NaN / -inf / +inf rows drawn as the
+select pass draws them. Run with ``pytest -m gpu``; skipped unless the
+default device is a Hopper GPU with Pallas Mosaic GPU
+(mosaic_block_pass.available()). Lowering on the CPU:
+test_mosaic_lowering.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_markov as jm
+from helpers import assert_sample_drafts_agree, check_sample_draft, make_problem
+from jax_markov.kernels import mosaic_block_pass as mbp
+
+pytestmark = pytest.mark.gpu
+
+DSV4 = dict(V=129280, R=256, S=7)
+FUSED = jm.KernelConfig(method="fused", block_b=64, block_v=128, block_k=64,
+                        num_warps=4, num_stages=3)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _hopper():
+  ok, why = mbp.available()
+  if not ok:
+    pytest.skip(why)
+
+
+def _mosaic(block_b=128, block_v=64, num_stages=0):
+  return jm.KernelConfig(method="mosaic", block_b=block_b, block_v=block_v,
+                         num_stages=num_stages)
+
+
+@pytest.mark.parametrize("B,block_b,block_v", [(256, 128, 64), (128, 128, 128),
+                                               (64, 64, 64), (128, 64, 128)])
+def test_deepseek_v4_shape(B, block_b, block_v):
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=40 + B, head_scale=0.1,
+                      temperature=np.where(np.arange(B) % 4 == 0, 0.0, 1.0))
+  draft = jm.sample_draft(*args, config=_mosaic(block_b, block_v))
+  assert draft.tokens.shape == (B, 7) and draft.logits.shape == (B, 7, DSV4["V"])
+  check_sample_draft(draft, *args)
+  fused = jm.sample_draft(*args, config=FUSED)
+  assert_sample_drafts_agree(draft, fused, *args)
+
+
+def test_table_picks_mosaic_at_b256():
+  args = make_problem(256, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=47, head_scale=0.1,
+                      temperature=np.linspace(0.0, 1.5, 256))
+  config = jm.sampler._config(None, None, 256, DSV4["V"], DSV4["R"], False,
+                              hopper=True)
+  assert config.method == "mosaic"
+  draft = jm.sample_draft(*args)  # the table's choice
+  check_sample_draft(draft, *args)
+
+
+@pytest.mark.parametrize("block_b,block_v,num_stages", [(128, 64, 2),
+                                                        (64, 128, 3),
+                                                        (128, 128, 0)])
+def test_small_shapes_and_stages(block_b, block_v, num_stages):
+  """Few vocabulary tiles per worker (V = 1024: one tile each), R = 64 and
+  128 (one and two chunks), proj chunks in flight from 2 up."""
+  for R in (64, 128):
+    args = make_problem(128, 3, 1024, R, jnp.bfloat16, seed=48 + R,
+                        temperature=np.linspace(0.0, 2.0, 128))
+    draft = jm.sample_draft(*args, config=_mosaic(block_b, block_v, num_stages))
+    check_sample_draft(draft, *args)
+
+
+def test_edge_rows():
+  """NaN, all -inf and +inf rows, -inf columns: drawn as the fused block pass
+  draws them (the statistics treat NaN as -inf, an all -inf block sums to 0,
+  the first max wins)."""
+  B, S, V = 64, 3, 2048
+  base, anchor, head, _, seeds, pos = make_problem(B, S, V, 64, seed=49)
+  base = np.asarray(base.astype(jnp.float32)).copy()
+  base[0, 0, :] = np.nan
+  base[1, :, :] = -np.inf
+  base[2, 1, 37] = np.inf
+  base[2, 1, 1900] = np.inf
+  base[3, :, ::3] = -np.inf
+  base[4, 2, 64:128] = np.nan
+  base = jnp.asarray(base, jnp.bfloat16)
+  t = jnp.asarray(np.resize([1.0, 0.0, 0.7, np.inf], B), jnp.float32)
+  args = (base, anchor, head, t, seeds, pos)
+  drafts = [jm.sample_draft(*args, config=c)
+            for c in (_mosaic(64, 64), FUSED)]
+  assert_sample_drafts_agree(drafts[0], drafts[1], *args)
+  for f in (np.isnan, np.isposinf, np.isneginf):
+    np.testing.assert_array_equal(f(np.asarray(drafts[0].logits)),
+                                  f(np.asarray(drafts[1].logits)))
+  tokens = np.asarray(drafts[0].tokens)
+  assert (tokens[1] == 0).all() and tokens[2, 1] == 37
+  assert (tokens[3] % 3 != 0).all()
+  assert ((tokens >= 0) & (tokens < V)).all()
+
+
+def test_jit_and_repeat_calls_are_deterministic():
+  base, anchor, head, t, seeds, pos = make_problem(
+      128, 4, 4096, 128, seed=50, temperature=np.full(128, 0.8))
+  run = lambda base, anchor, head, t: jm.sample_draft(
+      base, anchor, head, t, seeds, pos, config=_mosaic(), check_values=False)
+  a = run(base, anchor, head, t)
+  # seeds (int64, all 64 bits) stay outside the jit: traced they would be
+  # cut to int32 words.
+  b = jax.jit(run)(base, anchor, head, t)
+  c = run(base, anchor, head, t)
+  for x in (b, c):
+    np.testing.assert_array_equal(np.asarray(a.tokens), np.asarray(x.tokens))
+    np.testing.assert_array_equal(np.asarray(a.logits), np.asarray(x.logits))
+
+
+def test_refuses_what_it_does_not_run():
+  args = make_problem(64, 2, 1024, 64, seed=51)
+  with pytest.raises(ValueError, match="multiple of block_b"):
+    jm.sample_draft(*make_problem(96, 2, 1024, 64, seed=51),
+                    config=_mosaic(64, 64))
+  with pytest.raises(ValueError, match="bfloat16"):
+    jm.sample_draft(*make_problem(64, 2, 1024, 64, jnp.float32, seed=51),
+                    config=_mosaic(64, 64))
+  base, anchor, head, t, seeds, pos = args
+  cache = jnp.zeros((64, 2, 1024), jnp.float32)
+  with pytest.raises(ValueError, match="mosaic"):
+    jm.sample_draft_into(cache, base, anchor, head, t, seeds,
+                         jnp.tile(jnp.arange(64)[:, None], (1, 2)), pos,
+                         config=_mosaic(64, 64))

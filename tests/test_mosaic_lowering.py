@@ -1,0 +1,209 @@
+"""The Mosaic GPU block pass lowers for CUDA, checked without a GPU.
+
+In the Mosaic GPU "lane" lowering, the Pallas kernel is lowered to the
+Mosaic GPU MLIR module in Python while JAX lowers the jitted wrapper, so
+shared-memory layouts, TMA slicing, WGMMA operands and register layouts that
+Mosaic GPU does not support fail here, on any machine. (Compiling that
+module to a cubin, and running it, still needs a Hopper GPU:
+mosaic_check.py.)
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jax_markov as jm
+from helpers import make_problem
+from jax_markov.kernels import mosaic_block_pass as mbp
+from jax_markov.kernels import tuning
+
+DSV4 = dict(V=129280, R=256, S=7)
+spec = jax.ShapeDtypeStruct
+
+
+def _specs(B, V, R, S, **dtypes):
+  d = dict(base=jnp.bfloat16, emb=jnp.bfloat16, proj=jnp.bfloat16,
+           scale=jnp.float32, step=jnp.int32, cache=jnp.float32)
+  d.update(dtypes)
+  shapes = dict(base=(B * S, V), emb=(B, R), proj=(V, R), scale=(B,),
+                step=(1,), cache=(B * S, V))
+  return [spec(shapes[k], d[k]) for k in shapes]
+
+
+def _lower(B, V, R, S, **kw):
+  return mbp.mosaic_block_pass.trace(
+      *_specs(B, V, R, S), num_steps=S, num_sms=132, **kw).lower(
+          lowering_platforms=("cuda",))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _mosaic_gpu_available():
+  if mbp.plgpu is None:
+    pytest.skip(f"Pallas Mosaic GPU not importable: {mbp._IMPORT_ERROR}")
+  try:
+    _lower(128, 512, 64, 2, block_v=64)
+  except (ImportError, NotImplementedError) as e:
+    pytest.skip(f"Mosaic GPU lowering unavailable here: {e!r}")
+
+
+@pytest.mark.parametrize("B,V,R,S,kw", [
+    pytest.param(256, DSV4["V"], DSV4["R"], DSV4["S"], {}, id="dsv4-B256"),
+    pytest.param(64, DSV4["V"], DSV4["R"], DSV4["S"], {}, id="dsv4-B64"),
+    pytest.param(256, DSV4["V"], DSV4["R"], DSV4["S"], dict(block_v=64),
+                 id="dsv4-B256-v64"),
+    pytest.param(64, DSV4["V"], DSV4["R"], DSV4["S"], dict(block_v=64),
+                 id="dsv4-B64-v64"),
+    pytest.param(128, 1024, 128, 3, {}, id="small"),
+    pytest.param(64, 512, 64, 2, dict(block_v=64), id="tiny-v64"),
+])
+def test_lowers_to_one_mosaic_gpu_call(B, V, R, S, kw):
+  text = _lower(B, V, R, S, **kw).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  # The cache is an aliased operand: updated in place, not copied.
+  assert "output_operand_alias" in text
+  assert "tf.aliasing_output = 0" in text  # the jit donates the cache
+
+
+def test_output_shapes():
+  B, V, R, S = 64, DSV4["V"], DSV4["R"], DSV4["S"]
+  for block_v in (64, 128):
+    out = jax.eval_shape(
+        lambda *a, bv=block_v: mbp.mosaic_block_pass(
+            *a, num_steps=S, block_v=bv, num_sms=132), *_specs(B, V, R, S))
+    nb = V // block_v
+    chex.assert_shape(out, [(B * S, V), (B, nb), (B, nb), (B, nb)])
+    chex.assert_type(out, [jnp.float32, jnp.float32, jnp.float32, jnp.int32])
+
+
+def test_plan_fits_shared_memory():
+  for B in (64, 128, 256):
+    for block_v in (64, 128):
+      p = mbp.plan((B * 7, DSV4["V"]), (B, 256), (DSV4["V"], 256),
+                   num_steps=7, block_b=None, block_v=block_v,
+                   max_concurrent_steps=None, num_sms=132)
+      assert p.smem_bytes <= mbp.SMEM_LIMIT
+      assert p.stages >= 2
+      assert p.num_b_tiles * p.grid_v <= 132
+
+
+@pytest.mark.parametrize("B,V,R,S,kw,dtypes,match", [
+    (96, 1024, 128, 3, {}, {}, "multiple of block_b"),
+    (256, 1024, 128, 3, dict(block_b=128), {}, None),  # fine: control
+    (128, 1000, 128, 3, {}, {}, "multiple of block_v"),
+    (64, 1152, 128, 3, dict(block_v=64), {}, None),  # fine: control
+    (64, 1088, 128, 3, dict(block_v=64), {}, "multiple of 128"),
+    (128, 1024, 96, 3, {}, {}, "multiple of 64"),
+    (128, 1024, 128, 3, dict(block_v=32), {}, "block_v must be"),
+    (128, 1024, 128, 3, dict(block_b=256), {}, "block_b must be"),
+    (128, 1024, 128, 3, dict(max_concurrent_steps=1), {}, ">= 2"),
+    (128, 1024, 256, 3, dict(max_concurrent_steps=16), {}, "shared memory"),
+    (128, 1024, 128, 3, {}, dict(base=jnp.float32), "base must be bfloat16"),
+    (128, 1024, 128, 3, {}, dict(emb=jnp.float32), "emb must be bfloat16"),
+    (128, 1024, 128, 3, {}, dict(proj=jnp.float16), "proj must be bfloat16"),
+    (128, 1024, 128, 3, {}, dict(scale=jnp.bfloat16), "scale must be float32"),
+    (128, 1024, 128, 3, {}, dict(step=jnp.uint32), "step must be int32"),
+    (128, 1024, 128, 3, {}, dict(cache=jnp.bfloat16), "cache must be float32"),
+])
+def test_validation(B, V, R, S, kw, dtypes, match):
+  specs = _specs(B, V, R, S, **dtypes)
+  run = lambda: mbp.mosaic_block_pass.trace(*specs, num_steps=S, num_sms=132,
+                                            **kw)
+  if match is None:
+    run()
+  else:
+    with pytest.raises(ValueError, match=match):
+      run()
+
+
+@pytest.mark.parametrize("which,shape,match", [
+    ("base", (7 * 128 + 1, 1024), r"base must be \[B \* S, V\]"),
+    ("emb", (64, 128), r"emb must be \[B, R\]"),
+    ("proj", (1024, 64), r"proj must be \[V, R\]"),
+    ("scale", (64,), r"scale must be float32\[128\]"),
+    ("step", (2,), r"step must be int32\[1\]"),
+    ("cache", (7 * 128, 512), r"cache must be float32\[896, 1024\]"),
+])
+def test_validation_shapes(which, shape, match):
+  names = ["base", "emb", "proj", "scale", "step", "cache"]
+  specs = _specs(128, 1024, 128, 7)
+  i = names.index(which)
+  specs[i] = spec(shape, specs[i].dtype)
+  with pytest.raises(ValueError, match=match):
+    mbp.mosaic_block_pass.trace(*specs, num_steps=7, num_sms=132)
+
+
+def test_new_cache_is_an_output():
+  """cache=None (the sampler's step 0): the cache is a kernel output, written
+  only at the step's rows; no operand aliased, no memset."""
+  specs = _specs(128, 1024, 128, 3)[:5]
+  lowered = mbp.mosaic_block_pass.trace(
+      *specs, None, num_steps=3, num_sms=132).lower(
+          lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  assert "output_operand_alias" not in text
+  chex.assert_shape(lowered.out_info[0], (3 * 128, 1024))
+
+
+# --- the sampler with method="mosaic" --------------------------------------
+
+def _sampler_text(B, V, R, S, config):
+  from jax_markov import sampler
+  head = jm.MarkovHead(embed=spec((V, R), jnp.bfloat16),
+                       proj=spec((V, R), jnp.bfloat16))
+  traced = sampler._sample_draft.trace(
+      spec((B, S, V), jnp.bfloat16), spec((B,), jnp.int32), head,
+      spec((B,), jnp.float32), spec((B, 2), jnp.uint32), spec((B, S), jnp.int32),
+      config=config, interpret=False)
+  return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("B,block_b,block_v", [(256, 128, 64), (64, 64, 128)])
+def test_sampler_lowers_mosaic_block_pass_and_triton_select(B, block_b,
+                                                           block_v):
+  config = jm.KernelConfig(method="mosaic", block_b=block_b, block_v=block_v,
+                           num_stages=0)
+  text = _sampler_text(B, DSV4["V"], DSV4["R"], DSV4["S"], config)
+  # Two kernel variants (step 0 makes the cache, the others update it),
+  # called once a step; every select pass is a Triton call.
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+  assert text.count("__gpu$xla.gpu.triton") == DSV4["S"]
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="method='mosaic' needs"):
+    jm.KernelConfig(method="mosaic", block_b=16, block_v=64)
+  with pytest.raises(ValueError, match="method='mosaic' needs"):
+    jm.KernelConfig(method="mosaic", block_b=128, block_v=256)
+  with pytest.raises(ValueError, match="needs"):
+    jm.KernelConfig(method="mosaic", block_b=128, block_v=64, select="tail")
+  with pytest.raises(ValueError, match="needs"):
+    jm.KernelConfig(method="mosaic", block_b=128, block_v=64,
+                    select="persistent")
+  jm.KernelConfig(method="mosaic", block_b=64, block_v=128)  # fine
+
+
+def test_choose_picks_mosaic_only_where_asked_and_it_runs():
+  V, R = DSV4["V"], DSV4["R"]
+  choose = tuning.choose
+  assert choose(None, 256, V, R, interpret=False, hopper=True).method == "mosaic"
+  # Not on other GPUs, not in the interpreter, not where B leaves a
+  # request tile partly empty, not at batches the table leaves to Triton.
+  assert choose(None, 256, V, R, interpret=False).method == "fused"
+  assert choose(None, 256, V, R, interpret=True, hopper=True).method == "fused"
+  assert choose(None, 200, V, R, interpret=False, hopper=True).method == "fused"
+  assert choose(None, 64, V, R, interpret=False, hopper=True).method == "fused"
+  asked = choose("mosaic", 192, 4096, 128, interpret=False)
+  assert (asked.method, asked.block_b) == ("mosaic", 64)
+  with pytest.raises(ValueError, match="no interpreter"):
+    choose("mosaic", 256, V, R, interpret=True)
+
+
+def test_sampler_refuses_mosaic_where_it_does_not_run():
+  args = make_problem(64, 2, 256, 64, seed=3)
+  config = jm.KernelConfig(method="mosaic", block_b=64, block_v=64)
+  with pytest.raises(ValueError, match="Hopper GPU only"):
+    jm.sample_draft(*args, config=config, interpret=True)
+  with pytest.raises(ValueError, match="Hopper GPU only"):
+    jm.greedy_draft(*args[:3], config=config, interpret=True)
