@@ -898,8 +898,11 @@ def _jm_kwargs(fn, shape, batch, method=None):
   try:
     import jax
     from jax_markov.kernels import tuning
-    cfg = tuning.choose(method, batch, shape.draft_vocab, shape.R,
-                        interpret=jax.default_backend() != "gpu")
+    # The sampler's own choice (the Mosaic GPU entry where it runs).
+    cfg = jm_sampler._config(  # noqa: SLF001
+        None, method, batch, shape.draft_vocab, shape.R,
+        jax.default_backend() != "gpu",
+        hopper=shape.Vd is None and shape.dtype == "bfloat16")
     meta["config"] = str(cfg)
     meta["method"] = cfg.method
   except Exception:  # noqa: BLE001 -- the config is informational

@@ -37,7 +37,8 @@ def _default_backend() -> str:
 
 
 def _dtype(x):
-  return jnp.dtype(getattr(x, "dtype", None) or jnp.asarray(x).dtype)
+  dtype = getattr(x, "dtype", None)  # (a NumPy dtype is falsy: no `or`)
+  return jnp.dtype(jnp.asarray(x).dtype if dtype is None else dtype)
 
 
 def _interpret_default(interpret: bool | None) -> bool:
@@ -89,23 +90,20 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
 
   tail = config.select == "tail"
   if config.method == "mosaic" and (
-      interpret or cache_rows is not None or columns is not None
-      or slots is not None or no_cache):
+      interpret or columns is not None or slots is not None or no_cache):
     raise ValueError(
-        "method='mosaic' runs sample_draft on a Hopper GPU only: not in the "
-        "interpreter, not with sample_draft_into's state rows, a reduced "
+        "method='mosaic' runs on a Hopper GPU only, and not with a reduced "
         "vocabulary or greedy_draft (use 'fused' there)")
 
   def mosaic_step(cache, tokens, s):
-    # XLA gathers the previous tokens' embedding rows and this step's 1 / T;
-    # the kernel keeps the embeddings in shared memory.
+    # XLA gathers the previous tokens' embedding rows; the kernel keeps them
+    # in shared memory.
     prev = anchor_tokens if tokens is None else jax.lax.dynamic_index_in_dim(
         tokens.reshape(B, S), s[0] - 1, axis=1, keepdims=False)
-    scale = jax.lax.dynamic_index_in_dim(params[0].reshape(B, S), s[0],
-                                         axis=1, keepdims=False)
     return mosaic_block_pass.mosaic_block_pass(
-        base_flat, head.embed[prev], head.proj, scale, s, cache, num_steps=S,
-        block_b=config.block_b, block_v=config.block_v,
+        base_flat, head.embed[prev], head.proj, params, s, cache, cache_rows,
+        num_steps=S, num_cache_rows=num_cache_rows, block_b=config.block_b,
+        block_v=config.block_v,
         max_concurrent_steps=(config.num_stages if config.num_stages >= 2
                               else None))
 
@@ -113,8 +111,9 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
     if config.method == "mosaic":
       cache, bmax, bsum, barg = mosaic_step(cache, tokens, s)
-      tokens = select_pass(bmax, bsum, barg, cache, s, params, None, tokens,
-                           config=config, num_steps=S, vocab=V)
+      tokens = select_pass(bmax, bsum, barg, cache, s, params, cache_rows,
+                           tokens, config=config, num_steps=S, vocab=V,
+                           stats_major="block")
       return cache, tokens, counters
     if config.method == "fused":
       # The block pass gathers the previous tokens' embedding rows itself.

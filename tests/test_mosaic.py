@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 import jax_markov as jm
-from helpers import assert_sample_drafts_agree, check_sample_draft, make_problem
+from helpers import assert_sample_drafts_agree, check_draft, check_sample_draft, make_problem
 from jax_markov.kernels import mosaic_block_pass as mbp
 
 pytestmark = pytest.mark.gpu
@@ -120,16 +120,50 @@ def test_jit_and_repeat_calls_are_deterministic():
 
 
 def test_refuses_what_it_does_not_run():
-  args = make_problem(64, 2, 1024, 64, seed=51)
   with pytest.raises(ValueError, match="multiple of block_b"):
     jm.sample_draft(*make_problem(96, 2, 1024, 64, seed=51),
                     config=_mosaic(64, 64))
   with pytest.raises(ValueError, match="bfloat16"):
     jm.sample_draft(*make_problem(64, 2, 1024, 64, jnp.float32, seed=51),
                     config=_mosaic(64, 64))
-  base, anchor, head, t, seeds, pos = args
-  cache = jnp.zeros((64, 2, 1024), jnp.float32)
-  with pytest.raises(ValueError, match="mosaic"):
-    jm.sample_draft_into(cache, base, anchor, head, t, seeds,
-                         jnp.tile(jnp.arange(64)[:, None], (1, 2)), pos,
-                         config=_mosaic(64, 64))
+  with pytest.raises(ValueError, match="greedy_draft"):
+    jm.greedy_draft(*make_problem(64, 2, 1024, 64, seed=51)[:3],
+                    config=_mosaic(64, 64))
+
+
+@pytest.mark.parametrize("B,N,block_b", [(256, 300, 128), (64, 80, 64)])
+def test_into_state_rows(B, N, block_b):
+  """sample_draft_into: each draw's row of the [N, S, V] cache (one TMA store
+  a row), padding rows written nowhere, every other row untouched, the draft
+  the reference's within rounding (check_draft)."""
+  S, V, R = 4, 8192, 128
+  base, anchor, head, _, _, pos = make_problem(B, S, V, R, seed=52,
+                                               head_scale=0.2)
+  rng = np.random.default_rng(52)
+  idx_map = np.repeat(rng.permutation(N)[:B, None], S, axis=1).astype(np.int32)
+  idx_map[3] = -1
+  idx_map[B - 1, 2] = -1
+  temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0], N), jnp.float32)
+  seeds = rng.integers(0, 2**62, N, dtype=np.int64)
+  cache0 = jnp.asarray(rng.standard_normal((N, S, V)), jnp.float32)
+  before = np.asarray(cache0)
+  outs = []
+  for config in (_mosaic(block_b, 64), FUSED):
+    cache = jnp.array(cache0)
+    outs.append(jm.sample_draft_into(cache, base, anchor, head, temperature,
+                                     seeds, jnp.asarray(idx_map), pos,
+                                     config=config))
+  (tokens, cache), (tokens_f, cache_f) = outs
+  valid = idx_map >= 0
+  out = np.asarray(cache)
+  untouched = np.ones((N, S), bool)
+  untouched[idx_map[valid], np.nonzero(valid)[1]] = False
+  np.testing.assert_array_equal(out[untouched], before[untouched])
+  rows = np.where(valid, idx_map, 0)
+  u = np.asarray(jm.draft_uniforms(seeds[rows].reshape(-1),
+                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
+  check_draft(tokens, out[rows, np.arange(S)[None, :]], base, anchor, head,
+              np.asarray(temperature)[rows], u, rows=valid)
+  # Padding writes nothing in either kernel.
+  np.testing.assert_array_equal(np.asarray(cache_f)[untouched],
+                                before[untouched])

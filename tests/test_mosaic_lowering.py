@@ -9,6 +9,7 @@ mosaic_check.py.)
 """
 
 import chex
+import numpy as np
 import jax
 import jax.numpy as jnp
 import pytest
@@ -24,9 +25,9 @@ spec = jax.ShapeDtypeStruct
 
 def _specs(B, V, R, S, **dtypes):
   d = dict(base=jnp.bfloat16, emb=jnp.bfloat16, proj=jnp.bfloat16,
-           scale=jnp.float32, step=jnp.int32, cache=jnp.float32)
+           params=jnp.float32, step=jnp.int32, cache=jnp.float32)
   d.update(dtypes)
-  shapes = dict(base=(B * S, V), emb=(B, R), proj=(V, R), scale=(B,),
+  shapes = dict(base=(B * S, V), emb=(B, R), proj=(V, R), params=(3, B * S),
                 step=(1,), cache=(B * S, V))
   return [spec(shapes[k], d[k]) for k in shapes]
 
@@ -72,7 +73,7 @@ def test_output_shapes():
         lambda *a, bv=block_v: mbp.mosaic_block_pass(
             *a, num_steps=S, block_v=bv, num_sms=132), *_specs(B, V, R, S))
     nb = V // block_v
-    chex.assert_shape(out, [(B * S, V), (B, nb), (B, nb), (B, nb)])
+    chex.assert_shape(out, [(B * S, V), (nb, B), (nb, B), (nb, B)])
     chex.assert_type(out, [jnp.float32, jnp.float32, jnp.float32, jnp.int32])
 
 
@@ -101,7 +102,7 @@ def test_plan_fits_shared_memory():
     (128, 1024, 128, 3, {}, dict(base=jnp.float32), "base must be bfloat16"),
     (128, 1024, 128, 3, {}, dict(emb=jnp.float32), "emb must be bfloat16"),
     (128, 1024, 128, 3, {}, dict(proj=jnp.float16), "proj must be bfloat16"),
-    (128, 1024, 128, 3, {}, dict(scale=jnp.bfloat16), "scale must be float32"),
+    (128, 1024, 128, 3, {}, dict(params=jnp.bfloat16), "params must be float32"),
     (128, 1024, 128, 3, {}, dict(step=jnp.uint32), "step must be int32"),
     (128, 1024, 128, 3, {}, dict(cache=jnp.bfloat16), "cache must be float32"),
 ])
@@ -120,12 +121,12 @@ def test_validation(B, V, R, S, kw, dtypes, match):
     ("base", (7 * 128 + 1, 1024), r"base must be \[B \* S, V\]"),
     ("emb", (64, 128), r"emb must be \[B, R\]"),
     ("proj", (1024, 64), r"proj must be \[V, R\]"),
-    ("scale", (64,), r"scale must be float32\[128\]"),
+    ("params", (3, 64), r"params must be float32\[3, 896\]"),
     ("step", (2,), r"step must be int32\[1\]"),
     ("cache", (7 * 128, 512), r"cache must be float32\[896, 1024\]"),
 ])
 def test_validation_shapes(which, shape, match):
-  names = ["base", "emb", "proj", "scale", "step", "cache"]
+  names = ["base", "emb", "proj", "params", "step", "cache"]
   specs = _specs(128, 1024, 128, 7)
   i = names.index(which)
   specs[i] = spec(shape, specs[i].dtype)
@@ -144,6 +145,26 @@ def test_new_cache_is_an_output():
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
   assert "output_operand_alias" not in text
   chex.assert_shape(lowered.out_info[0], (3 * 128, 1024))
+
+
+def test_state_rows_lower_and_alias_the_cache():
+  """cache_rows: the cache [N, V] is aliased (updated in place) and stored
+  one row at a time; a cache_rows without a cache is refused."""
+  B, V, R, S, N = 128, 1024, 128, 3, 500
+  specs = _specs(B, V, R, S)[:5] + [spec((N, V), jnp.float32),
+                                    spec((B * S,), jnp.int32)]
+  lowered = mbp.mosaic_block_pass.trace(
+      *specs, num_steps=S, num_cache_rows=N, num_sms=132).lower(
+          lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  assert "output_operand_alias" in text
+  chex.assert_shape(lowered.out_info[0], (N, V))
+  with pytest.raises(ValueError, match="cache must be float32"):
+    mbp.mosaic_block_pass.trace(*specs, num_steps=S, num_sms=132)
+  with pytest.raises(ValueError, match="needs the cache"):
+    mbp.mosaic_block_pass.trace(*specs[:5], None, specs[6], num_steps=S,
+                                num_cache_rows=N, num_sms=132)
 
 
 # --- the sampler with method="mosaic" --------------------------------------
@@ -200,10 +221,83 @@ def test_choose_picks_mosaic_only_where_asked_and_it_runs():
     choose("mosaic", 256, V, R, interpret=True)
 
 
+def test_sampler_lowers_mosaic_into_state_rows():
+  from jax_markov import sampler
+  B, S, V, R, N = 256, DSV4["S"], DSV4["V"], DSV4["R"], 300
+  config = jm.KernelConfig(method="mosaic", block_b=128, block_v=64)
+  head = jm.MarkovHead(embed=spec((V, R), jnp.bfloat16),
+                       proj=spec((V, R), jnp.bfloat16))
+  traced = sampler._sample_draft_into_donated.trace(
+      spec((N, S, V), jnp.float32), spec((B, S, V), jnp.bfloat16),
+      spec((B,), jnp.int32), head, spec((N,), jnp.float32),
+      spec((N, 2), jnp.uint32), spec((B, S), jnp.int32),
+      spec((B, S), jnp.int32), config=config, interpret=False)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  assert text.count("__gpu$xla.gpu.triton") == S
+
+
 def test_sampler_refuses_mosaic_where_it_does_not_run():
   args = make_problem(64, 2, 256, 64, seed=3)
   config = jm.KernelConfig(method="mosaic", block_b=64, block_v=64)
   with pytest.raises(ValueError, match="Hopper GPU only"):
     jm.sample_draft(*args, config=config, interpret=True)
-  with pytest.raises(ValueError, match="Hopper GPU only"):
+  with pytest.raises(ValueError, match="greedy_draft"):
     jm.greedy_draft(*args[:3], config=config, interpret=True)
+
+
+# --- the select pass on block-major statistics (interpreter) ----------------
+
+@pytest.mark.parametrize("greedy", [False, True])
+def test_select_pass_reads_block_major_statistics(greedy):
+  """stats_major="block" ([NB, B], the Mosaic GPU block pass's layout) draws
+  bit for bit the tokens of the same statistics [B, NB]: the same arithmetic,
+  only the loads differ. Rows with -inf blocks, a NaN block and a +inf."""
+  from jax_markov.kernels.block_pass import block_pass
+  from jax_markov.kernels.select_pass import select_pass
+  B, S, V, R = 8, 2, 256, 16
+  base, anchor, head, _, _, _ = make_problem(B, S, V, R, jnp.float32, seed=5)
+  base = base.reshape(B * S, V).at[1, :100].set(-jnp.inf)
+  base = base.at[2, 32:64].set(jnp.nan).at[3, 200].set(jnp.inf)
+  rng = jax.random.PRNGKey(0)
+  t = jnp.where(jnp.arange(B * S) % 3 == 0, 0.0, 0.8)
+  params = jnp.stack([jnp.where(t > 0, 1 / jnp.maximum(t, 1e-9), 1.0),
+                      (t == 0).astype(jnp.float32) if not greedy
+                      else jnp.ones(B * S),
+                      jax.random.uniform(rng, (B * S,))])
+  config = jm.KernelConfig(method="fused", block_b=16, block_v=32, block_k=16)
+  for s in range(S):
+    step = jnp.full((1,), s, jnp.int32)
+    cache, bmax, bsum, barg = block_pass(
+        base, (head.embed, head.proj, anchor), step, params, None, None, None,
+        config=config, num_steps=S, num_cache_rows=B * S, interpret=True)
+    chex.assert_shape(bmax, (B, V // 32))
+    a = select_pass(bmax, bsum, barg, cache, step, params, config=config,
+                    num_steps=S, interpret=True)
+    b = select_pass(bmax.T, bsum.T, barg.T, cache, step, params,
+                    config=config, num_steps=S, stats_major="block",
+                    interpret=True)
+    rows = jnp.arange(B) * S + s
+    np.testing.assert_array_equal(np.asarray(a)[rows], np.asarray(b)[rows])
+  with pytest.raises(ValueError, match="stats_major"):
+    select_pass(bmax, bsum, barg, cache, step, params, config=config,
+                num_steps=S, stats_major="column", interpret=True)
+
+
+def test_embed_rows_gathers_the_previous_tokens_rows():
+  """kernels/embed_rows.py (the native runtime's operand of the Mosaic GPU
+  block pass): anchors at step 0, the step before's tokens after; R not a
+  power of two."""
+  from jax_markov.kernels.embed_rows import embed_rows
+  B, S, V, R = 5, 3, 40, 24
+  embed = jax.random.normal(jax.random.PRNGKey(1), (V, R)).astype(jnp.bfloat16)
+  anchors = jnp.array([3, 0, 39, 7, 7], jnp.int32)
+  tokens = jax.random.randint(jax.random.PRNGKey(2), (B * S,), 0, V, jnp.int32)
+  for s in range(S):
+    out = embed_rows(embed, anchors, tokens, jnp.full((1,), s, jnp.int32),
+                     num_steps=S, interpret=True)
+    chex.assert_shape(out, (B, R))
+    chex.assert_type(out, jnp.bfloat16)
+    prev = anchors if s == 0 else tokens.reshape(B, S)[:, s - 1]
+    np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                  np.asarray(embed[prev], np.float32))

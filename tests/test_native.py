@@ -142,6 +142,50 @@ def test_persistent_draft_is_planned_as_one_launch(tmp_path, monkeypatch,
     assert native_plan.stat_rows(other, bucket) == bucket
 
 
+def test_mosaic_bucket_is_planned(tmp_path):
+  """Where the table picks the Mosaic GPU block pass (a Hopper GPU, bf16,
+  sampling the full vocabulary), a bucket is draw_params then embed_rows,
+  mosaic_block_pass and a block-major select pass a step, the Mosaic
+  kernel's pointers bound by name (its cache aliased in place); greedy
+  drafting, a map, another dtype or no Hopper keep the Triton block pass."""
+  import dataclasses
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  cache = native.IRCache(str(tmp_path))
+  shape = dataclasses.replace(_shape(256, 7, 129280, 256), mosaic=True)
+  kernels = native_plan.lower_bucket(shape, 256, cache, (9, 0), 132)
+  assert set(kernels) == {"draw_params", "embed_rows", "mosaic_block_pass",
+                          "select_pass"}
+  ir, path, names = kernels["mosaic_block_pass"]
+  assert path is None and ir.module
+  assert names == ["base", "emb", "proj", "params", "step", "cache_rows",
+                   "cache", "block_max", "block_sum", "block_argmax", "cache"]
+  assert kernels["embed_rows"][2] == ["embed", "anchors", "tokens", "step",
+                                      "emb"]
+  assert kernels["select_pass"][2][:3] == ["block_max", "block_sum",
+                                           "block_argmax"]
+  assert not native_plan.bucket_dependent_launch(shape, 256, True)
+  # Buckets the table leaves to Triton, and shapes Mosaic does not run.
+  assert "block_pass" in native_plan.lower_bucket(shape, 64, cache, (9, 0))
+  for other in (dataclasses.replace(shape, greedy=True),
+                dataclasses.replace(shape, draft_vocab=32768),
+                dataclasses.replace(shape, base_dtype=torch.float16),
+                dataclasses.replace(shape, mosaic=False)):
+    assert native_plan.shape_config(other, 256).method == "fused"
+
+
+def test_mosaic_allowed(monkeypatch):
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  monkeypatch.delenv("JAX_MARKOV_MOSAIC", raising=False)
+  assert native_plan.mosaic_allowed((9, 0))
+  assert not native_plan.mosaic_allowed((8, 0))
+  assert not native_plan.mosaic_allowed((10, 0))  # no WGMMA on Blackwell
+  monkeypatch.setenv("JAX_MARKOV_MOSAIC", "0")
+  assert not native_plan.mosaic_allowed((9, 0))
+  monkeypatch.setenv("JAX_MARKOV_MOSAIC", "yes")
+  with pytest.raises(ValueError, match="JAX_MARKOV_MOSAIC"):
+    native_plan.mosaic_allowed((9, 0))
+
+
 @pytest.mark.parametrize("greedy,draft_vocab", [(False, None), (True, None),
                                                 (False, 40)])
 def test_dependent_launch_is_built_into_the_step_kernels(tmp_path, greedy,
@@ -363,13 +407,44 @@ def test_gpu_persistent_draft_eager_captured_and_jm_agree(
                          held_blocks=2)
   original = tuning.choose
 
-  def choose(method, batch, vocab, rank, *, interpret):
-    if interpret:
+  def choose(method, batch, vocab, rank, *, interpret, hopper=False):
+    if interpret or hopper:  # the Mosaic GPU entry is not this test's
       return original(method, batch, vocab, rank, interpret=interpret)
     return one if batch == 1 else tile
 
   monkeypatch.setattr(tuning, "choose", choose)
   _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=2)
+
+
+@pytest.mark.parametrize("m,s,v,r,calls", [
+    (128, 3, 2048, 128, (128, 100, 64)),
+    (256, 7, 129280, 256, (256, 200)),
+])
+def test_gpu_mosaic_eager_captured_and_jm_agree(monkeypatch, m, s, v, r,
+                                                calls):
+  """The Mosaic GPU block pass in the native runtime (Hopper only; at every
+  bucket of 64 requests and more here): the draft is the contract's, padding
+  rows write nothing, and the captured graph (the Mosaic launch recorded
+  on the capture stream) replays it bit for bit twice."""
+  from jax_markov.kernels import mosaic_block_pass as mbp
+  from jax_markov.kernels import tuning
+  if _GPU and torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the Mosaic GPU block pass needs a Hopper GPU")
+  original = tuning.choose
+
+  def choose(method, batch, vocab, rank, *, interpret, hopper=False):
+    if hopper and not interpret and batch >= 64:
+      return jm.KernelConfig(method="mosaic", block_b=64 if batch == 64
+                             else 128, block_v=64)
+    return original(method, batch, vocab, rank, interpret=interpret)
+
+  monkeypatch.setattr(tuning, "choose", choose)
+  launched = []
+  original_call = mbp.mosaic_block_pass
+  monkeypatch.setattr(mbp, "mosaic_block_pass", lambda *a, **k: (
+      launched.append(k["block_b"]), original_call(*a, **k))[1])
+  _eager_captured_and_jm_agree(m, s, v, r, torch.bfloat16, calls, replays=2)
+  assert launched  # the plans were built with the Mosaic kernel
 
 
 def _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=1):

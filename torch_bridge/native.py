@@ -338,6 +338,26 @@ class Launch:
                  *args)
 
 
+class MosaicLaunch:
+  """One launch of a Mosaic GPU kernel (torch_bridge.mosaic_launch): its
+  pointers as :class:`Launch` takes them (ints, or names of the call's
+  bindings), launched by the kernel's own host code on ``stream``."""
+
+  def __init__(self, kernel, args: list):
+    if len(args) != kernel.num_pointers:
+      raise RuntimeError(f"{kernel.ir.name}: {len(args)} pointers for "
+                         f"{kernel.num_pointers} operands and results")
+    self.kernel = kernel
+    self.args = args
+    self.dynamic = [i for i, a in enumerate(args) if isinstance(a, str)]
+
+  def __call__(self, bindings: dict, stream: int) -> None:
+    args = list(self.args)
+    for i in self.dynamic:
+      args[i] = bindings[args[i]]
+    self.kernel(args, stream)
+
+
 class Zero:
   """A step of a plan that zeroes a torch tensor (a memset node when captured).
 
@@ -353,7 +373,8 @@ class Zero:
     self.tensor.zero_()
 
 
-def run_plan(launches: Sequence[Launch | Zero], bindings: dict, stream: int) -> None:
+def run_plan(launches: Sequence[Launch | MosaicLaunch | Zero], bindings: dict,
+             stream: int) -> None:
   """Launches a plan's kernels in order on ``stream``."""
   for launch in launches:
     launch(bindings, stream)

@@ -7,6 +7,12 @@ For a bucket of Bp requests the plan is::
       block_pass (step s)       base + bias -> cache rows; block statistics
       [select_pass (step s)]    statistics + one cache block -> token s
 
+or, where the table picks the Mosaic GPU block pass (``DraftShape.mosaic``:
+a Hopper GPU, bf16, no map, sampling; kernels/mosaic_block_pass.py),
+``embed_rows`` (the previous tokens' embeddings), ``mosaic_block_pass`` and
+``select_pass`` a step, the Mosaic kernel launched by
+:mod:`torch_bridge.mosaic_launch` on the same stream;
+
 every launch reading and writing buffers at fixed addresses: the spec's
 buffers, the scratch allocated here once for ``max_num_reqs``, and the base
 logits of the call. The step index and the number of live requests are read
@@ -27,11 +33,14 @@ from jax_markov.kernels import dependent_launch
 from jax_markov.kernels import tuning
 from jax_markov.kernels import block_pass as block_pass_module
 from jax_markov.kernels import draft_pass as draft_pass_module
+from jax_markov.kernels import embed_rows as embed_rows_module
+from jax_markov.kernels import mosaic_block_pass as mosaic_module
 from jax_markov.kernels import select_pass as select_pass_module
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
 from jax_markov.kernels.draft_pass import draft_pass
 from jax_markov.kernels.draw_params import ParamsLayout, draw_params
 from jax_markov.kernels.select_pass import select_pass
+from torch_bridge import mosaic_launch
 from torch_bridge import native
 
 _JNP = {torch.float32: jnp.float32, torch.float16: jnp.float16,
@@ -42,6 +51,9 @@ ROW = 8  # int32 entries a table row: 32 bytes, the kernels' pointer alignment
 # starts while the one before it finishes, and waits before reading what it
 # wrote.
 DEPENDENT_LAUNCH_KERNELS = ("draw_params", "block_pass", "select_pass")
+# The kernels launched once a step (the rest once a draft).
+_STEP_KERNELS = ("embed_rows", "block_pass", "mosaic_block_pass",
+                 "select_pass")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +75,9 @@ class DraftShape:
       ``slots`` int32 [V], greedy drafting the Vd draft columns with the
       increasing ``columns`` int32 [Vd]), else None (Vd = V, no map).
     greedy: greedy drafting: tokens only, no cache (vLLM's draft_logits None).
+    mosaic: the GPU can run the Mosaic GPU block pass (see
+      :func:`mosaic_allowed`); the table then picks it where it has an
+      entry (:func:`shape_config`).
   """
   max_num_reqs: int
   steps: int
@@ -76,6 +91,7 @@ class DraftShape:
   layout: ParamsLayout
   draft_vocab: int | None = None
   greedy: bool = False
+  mosaic: bool = False
 
   @property
   def vd(self) -> int:
@@ -126,8 +142,21 @@ def bucket_dependent_launch(shape: "DraftShape", bucket: int,
   launches: where enabled and the bucket runs the select pass. Not with the
   tail select (the table's choice at B = 1): measured 10% slower there at
   the DeepSeek-V4 shape (docs/perf-notes.md change 32); not for the
-  persistent draft (one launch, after a memset)."""
-  return enabled and shape_config(shape, bucket).select == "pass"
+  persistent draft (one launch, after a memset); not beside the Mosaic GPU
+  block pass (launched by its own host code, which sets no launch
+  attribute)."""
+  cfg = shape_config(shape, bucket)
+  return enabled and cfg.select == "pass" and cfg.method != "mosaic"
+
+
+def mosaic_allowed(capability: tuple[int, int]) -> bool:
+  """Whether plans may use the Mosaic GPU block pass: a Hopper GPU (sm_90:
+  WGMMA), Pallas Mosaic GPU importable, and $JAX_MARKOV_MOSAIC not "0"."""
+  env = os.environ.get("JAX_MARKOV_MOSAIC", "1")
+  if env not in ("0", "1"):
+    raise ValueError(f"JAX_MARKOV_MOSAIC must be '0' or '1', got {env!r}")
+  return (env == "1" and tuple(capability) == (9, 0)
+          and mosaic_module.plgpu is not None)
 
 
 def config(bucket: int, vocab: int, rank: int, *,
@@ -139,7 +168,16 @@ def config(bucket: int, vocab: int, rank: int, *,
 
 
 def shape_config(shape: DraftShape, bucket: int) -> tuning.KernelConfig:
-  """The configuration a bucket of ``shape`` runs."""
+  """The configuration a bucket of ``shape`` runs: the table's Mosaic GPU
+  entry where the shape allows it (sampling the full vocabulary in bf16 on
+  a Hopper GPU), else its fused one."""
+  if (shape.mosaic and not shape.mapped and not shape.greedy
+      and shape.base_dtype == torch.bfloat16
+      and shape.head_dtype == torch.bfloat16):
+    cfg = tuning.choose(None, bucket, shape.vocab, shape.rank,
+                        interpret=False, hopper=True)
+    if cfg.method == "mosaic":
+      return cfg
   return config(bucket, shape.grid_vocab, shape.rank,
                 stepwise=shape.mapped or shape.greedy)
 
@@ -240,6 +278,10 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
         operands(draft_pass_module.INPUTS, draft_pass_module.OUTPUTS, specs,
                  draft_pass_module.OUTPUTS))
     return out
+  if cfg.method == "mosaic":
+    out.update(_lower_mosaic(sh, bp, ir_cache, capability, cfg, desc,
+                             num_sms))
+    return out
   tail = cfg.select == "tail"
   # The map: sampling walks the target columns by slot, greedy drafting
   # the draft columns (tokens mapped by columns in the select).
@@ -302,6 +344,70 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
   return out
 
 
+def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
+                  capability, cfg: tuning.KernelConfig, desc: dict,
+                  num_sms: int | None) -> dict:
+  """embed_rows (Triton), mosaic_block_pass (Mosaic GPU: a MosaicIR, no
+  Triton path) and the select pass on block-major statistics."""
+  m, s, v, r = sh.max_num_reqs, sh.steps, sh.vocab, sh.rank
+  i32, f32 = jnp.int32, jnp.float32
+  out = {}
+
+  def rows_call(embed, anchors, tokens, step):
+    return embed_rows_module.embed_rows(embed, anchors, tokens, step,
+                                        num_steps=s)
+
+  specs = dict(embed=_spec((sh.vocab_in, r), sh.head_dtype),
+               anchors=_spec((bp,), i32), tokens=_spec((bp * s,), i32),
+               step=_spec((1,), i32))
+  out["embed_rows"] = (
+      *_lower(ir_cache, {**desc, "kernel": "embed_rows"}, rows_call, specs,
+              capability),
+      operands(embed_rows_module.INPUTS, embed_rows_module.OUTPUTS, specs,
+               embed_rows_module.OUTPUTS))
+
+  specs = dict(base=_spec((bp * s, v), sh.base_dtype),
+               emb=_spec((bp, r), sh.head_dtype),
+               proj=_spec((v, r), sh.head_dtype),
+               params=_spec((3, bp * s), f32), step=_spec((1,), i32),
+               cache=_spec((m * s, v), f32), cache_rows=_spec((bp * s,), i32))
+
+  def block_call(base, emb, proj, params, step, cache, cache_rows):
+    return mosaic_module.mosaic_block_pass(
+        base, emb, proj, params, step, cache, cache_rows, num_steps=s,
+        num_cache_rows=m * s, block_b=cfg.block_b, block_v=cfg.block_v,
+        max_concurrent_steps=cfg.num_stages if cfg.num_stages >= 2 else None,
+        num_sms=num_sms)
+
+  ir = mosaic_launch.lower(block_call, *specs.values(),
+                           name="mosaic_block_pass")
+  names = list(specs)
+  results = ["block_max", "block_sum", "block_argmax", "cache"]
+  out["mosaic_block_pass"] = (
+      ir, None, [names[i] for i in ir.operands] + [
+          results[k] if alias is None else names[ir.operands[alias]]
+          for k, alias in enumerate(ir.results)])
+
+  nb = num_blocks(v, cfg)
+
+  def select_call(block_max, block_sum, block_argmax, cache, step, params,
+                  cache_rows, tokens):
+    return select_pass(block_max, block_sum, block_argmax, cache, step,
+                       params, cache_rows, tokens, config=cfg, num_steps=s,
+                       vocab=v, stats_major="block")
+
+  specs = dict(block_max=_spec((nb, bp), f32), block_sum=_spec((nb, bp), f32),
+               block_argmax=_spec((nb, bp), i32), cache=_spec((m * s, v), f32),
+               step=_spec((1,), i32), params=_spec((3, bp * s), f32),
+               cache_rows=_spec((bp * s,), i32), tokens=_spec((bp * s,), i32))
+  out["select_pass"] = (
+      *_lower(ir_cache, {**desc, "kernel": "select_pass"}, select_call, specs,
+              capability),
+      operands(select_pass_module.INPUTS, select_pass_module.OUTPUTS, specs,
+               ("tokens",)))
+  return out
+
+
 class DraftPlans:
   """The compiled kernels and the scratch of one :class:`DraftShape`."""
 
@@ -339,6 +445,9 @@ class DraftPlans:
     self.counters = torch.zeros(max(m, draft_pass_module.NUM_COUNTERS), **i32)
     self.pad = torch.zeros((m, s, shape.vd), dtype=shape.base_dtype,
                            device=device)
+    # The Mosaic GPU block pass's embeddings operand (embed_rows fills it).
+    self.emb = torch.empty((m, shape.rank), dtype=shape.head_dtype,
+                           device=device)
     self._plans: dict[int, list[native.Launch]] = {}
 
   def plan(self, bucket: int) -> list[native.Launch]:
@@ -365,24 +474,29 @@ class DraftPlans:
     fixed = dict(params=ptr(self.params), cache_rows=ptr(self.cache_rows),
                  anchors=ptr(self.anchors), tokens=ptr(self.tokens),
                  block_max=ptr(self.bmax), block_sum=ptr(self.bsum),
-                 block_argmax=ptr(self.barg), counters=ptr(self.counters))
+                 block_argmax=ptr(self.barg), counters=ptr(self.counters),
+                 emb=ptr(self.emb))
     launches = []
     for name, (ir, path, names) in lower_bucket(
         self.shape, bp, self.ir_cache, self.capability, self.num_sms,
         self.dependent_launch).items():
-      kernel = native.compile_kernel(
-          ir, path, self.capability,
-          launch_pdl=(name in DEPENDENT_LAUNCH_KERNELS
-                      and bucket_dependent_launch(self.shape, bp,
-                                                  self.dependent_launch)))
-      steps = range(self.shape.steps) if name in ("block_pass",
-                                                  "select_pass") else (None,)
+      if name == "mosaic_block_pass":
+        kernel = mosaic_launch.MosaicKernel(ir)
+      else:
+        kernel = native.compile_kernel(
+            ir, path, self.capability,
+            launch_pdl=(name in DEPENDENT_LAUNCH_KERNELS
+                        and bucket_dependent_launch(self.shape, bp,
+                                                    self.dependent_launch)))
+      steps = range(self.shape.steps) if name in _STEP_KERNELS else (None,)
       for step in steps:
         table = dict(fixed)
         if step is not None:
           table["step"] = ptr(self.steps[step])
-        launches.append((name, step, native.Launch(
-            ir, kernel, [table.get(n, n) for n in names])))
+        args = [table.get(n, n) for n in names]
+        launches.append((name, step, native.MosaicLaunch(kernel, args)
+                         if name == "mosaic_block_pass"
+                         else native.Launch(ir, kernel, args)))
       if name == "draft_pass":
         # Its barriers count up from 0 every draft.
         launches.append(("zero_counters", None, native.Zero(
@@ -390,6 +504,7 @@ class DraftPlans:
     # In draft order: draw_params, then block [select] a step, or the
     # counters zeroed and the draft pass.
     rank = {"draw_params": 0, "zero_counters": 1, "draft_pass": 2,
-            "block_pass": 1, "select_pass": 2}
+            "embed_rows": 0, "block_pass": 1, "mosaic_block_pass": 1,
+            "select_pass": 2}
     launches.sort(key=lambda x: (x[1] is not None, x[1] or 0, rank[x[0]]))
     return [launch for _, _, launch in launches]

@@ -76,6 +76,13 @@ class NativeRuntime:
     self._bound = None
     self._device = device
 
+  def _mosaic(self) -> bool:
+    """Whether this device's plans may use the Mosaic GPU block pass."""
+    device = torch.device(self._device) if self._device is not None else None
+    if device is None or device.type != "cuda" or not torch.cuda.is_available():
+      return False
+    return native_plan.mosaic_allowed(torch.cuda.get_device_capability(device))
+
   def _shape(self, spec, s_len: int, base_dtype,
              mode: modes.Mode) -> native_plan.DraftShape:
     t = {name: get(spec) for name, _, get in _BUFFERS}
@@ -90,7 +97,8 @@ class NativeRuntime:
         temperature_dtype=t["temperature"].dtype,
         words=tuple((k, _words(t[k])) for k in _WORDS), layout=layout,
         draft_vocab=None if cmap is None else self.hook.vocab_size,
-        greedy=mode.greedy)
+        greedy=mode.greedy,
+        mosaic=self._mosaic())
 
   def plans(self, spec, s_len: int, base_dtype,
             mode: modes.Mode) -> native_plan.DraftPlans:

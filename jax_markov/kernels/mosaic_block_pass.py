@@ -212,13 +212,18 @@ def _swizzled(dtype):
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128))
 
 
-def _kernel(base_gmem, emb_gmem, proj_gmem, scale_gmem, step_gmem, cache_gmem,
-            bmax_gmem, bsum_gmem, barg_gmem, *, p: Plan):
+def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
+            rows_gmem, cache_gmem, bmax_gmem, bsum_gmem, barg_gmem, *,
+            p: Plan):
   """One CTA: request tile lax.axis_index("b"), worker lax.axis_index("v").
 
-  base_gmem / cache_gmem are [B, S, V] views: a TMA box indexes the step as a
-  squeezed middle dimension, so only rows b * S + step are touched.
-  b{max,sum,arg}_gmem are [NB, B] (transposed by the wrapper).
+  base_gmem is a [B, S, V] view: a TMA box indexes the step as a squeezed
+  middle dimension, so only rows b * S + step are read. params_gmem is the
+  [3, B, S] view of the per-draw parameters (row 0: 1 / T). Dense layout
+  (rows_gmem None): cache_gmem is a [B, S, V] view, stored like base. State
+  rows: rows_gmem is the [B, S] view of the cache rows and cache_gmem the
+  [N, V] cache, stored one row at a time (a row < 0 is padding: not stored).
+  b{max,sum,arg}_gmem are [NB, B].
   """
   block_b, block_v, cta_v = p.block_b, p.block_v, p.cta_v
   num_k, stages, out_slots = p.num_k, p.stages, p.out_slots
@@ -284,8 +289,11 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, scale_gmem, step_gmem, cache_gmem,
       col_off = wg * block_v if p.split_v else 0
       r0 = b0 + row_off
       row_layout = plgpu.Layout.WGMMA.reduce(1)
-      scale = plgpu.load(scale_gmem.at[pl.ds(r0, WG_ROWS)], (),
+      scale = plgpu.load(params_gmem.at[0, pl.ds(r0, WG_ROWS), step], (),
                          layout=row_layout, optimized=False)
+      if rows_gmem is not None:
+        # The same rows for every tile: read once.
+        row_of = [rows_gmem[r0 + i, step] for i in range(WG_ROWS)]
       scale_tile = lax.broadcast_in_dim(scale, (WG_ROWS, block_v), [0])
       cols = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_v), 1,
                                     layout=plgpu.Layout.WGMMA)
@@ -339,10 +347,22 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, scale_gmem, step_gmem, cache_gmem,
           plgpu.wait_smem_to_gmem(out_slots - 1, wait_read_only=True)
           out_smem[wg, o] = x[:, e * EPI_V:(e + 1) * EPI_V]
           plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(
-              out_smem.at[wg, o],
-              cache_gmem.at[pl.ds(r0, WG_ROWS), step,
-                            pl.ds(v0 + e * EPI_V, EPI_V)])
+          if rows_gmem is None:
+            plgpu.copy_smem_to_gmem(
+                out_smem.at[wg, o],
+                cache_gmem.at[pl.ds(r0, WG_ROWS), step,
+                              pl.ds(v0 + e * EPI_V, EPI_V)])
+          else:
+            for i in range(WG_ROWS):
+              @pl.when(row_of[i] >= 0)
+              def _(i=i):
+                plgpu.copy_smem_to_gmem(
+                    out_smem.at[wg, o, pl.ds(i, 1)],
+                    cache_gmem.at[pl.ds(row_of[i], 1),
+                                  pl.ds(v0 + e * EPI_V, EPI_V)],
+                    commit_group=False)
+            # One bulk group per staging tile, as in the dense layout.
+            plgpu.commit_smem_to_gmem_group()
 
         # block_statistics: NaN counts as -inf; the first max column wins.
         y = jnp.where(x == x, x, -jnp.inf) * scale_tile
@@ -377,8 +397,9 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, scale_gmem, step_gmem, cache_gmem,
       plgpu.SMEM((num_k, block_b, TILE_K), bf16, transforms=_swizzled(bf16)),
       plgpu.SMEM((stages, cta_v, TILE_K), bf16, transforms=_swizzled(bf16)),
       plgpu.SMEM((2, block_b, cta_v), bf16, transforms=_swizzled(bf16)),
+      # Row stores need single-row slices: no tiling in the state-row layout.
       plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, EPI_V), f32,
-                 transforms=_swizzled(f32)),
+                 transforms=_swizzled(f32) if rows_gmem is None else ()),
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.int32),
@@ -392,51 +413,63 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, scale_gmem, step_gmem, cache_gmem,
   )
 
 
-def _check_dtypes(base, emb, proj, scale, step, cache, p: Plan):
-  want = dict(base=(base, jnp.bfloat16, (p.batch * p.steps, p.vocab)),
+def _check_operands(base, emb, proj, params, step, cache, cache_rows,
+                    num_cache_rows, p: Plan):
+  bs = p.batch * p.steps
+  want = dict(base=(base, jnp.bfloat16, (bs, p.vocab)),
               emb=(emb, jnp.bfloat16, (p.batch, p.rank)),
               proj=(proj, jnp.bfloat16, (p.vocab, p.rank)),
-              scale=(scale, jnp.float32, (p.batch,)),
+              params=(params, jnp.float32, (3, bs)),
               step=(step, jnp.int32, (1,)),
-              cache=(cache, jnp.float32, (p.batch * p.steps, p.vocab)))
+              cache=(cache, jnp.float32, (num_cache_rows, p.vocab)),
+              cache_rows=(cache_rows, jnp.int32, (bs,)))
   for name, (x, dtype, shape) in want.items():
-    if x is None and name == "cache":
+    if x is None:
       continue
     if x.dtype != dtype or tuple(x.shape) != shape:
       raise ValueError(f"{name} must be {jnp.dtype(dtype).name}{list(shape)}, "
                        f"got {x.dtype}{list(x.shape)}")
+  if cache_rows is not None and cache is None:
+    raise ValueError("cache_rows (the state-row layout) needs the cache to "
+                     "write into")
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("num_steps", "block_b", "block_v", "max_concurrent_steps",
-                     "num_sms"),
+    static_argnames=("num_steps", "num_cache_rows", "block_b", "block_v",
+                     "max_concurrent_steps", "num_sms"),
     donate_argnames=("cache",))
 def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
-                      scale: jax.Array, step: jax.Array, cache: jax.Array, *,
-                      num_steps: int, block_b: int | None = None,
-                      block_v: int = 128,
+                      params: jax.Array, step: jax.Array,
+                      cache: jax.Array | None,
+                      cache_rows: jax.Array | None = None, *,
+                      num_steps: int, num_cache_rows: int | None = None,
+                      block_b: int | None = None, block_v: int = 128,
                       max_concurrent_steps: int | None = None,
                       num_sms: int | None = None):
   """Runs one step of the fused block pass on Hopper (Mosaic GPU).
 
-  Draw (b, s) is row ``b * S + s`` of base and cache; this call reads and
-  writes the rows of step ``step[0]`` only. No interpreter mode: this lowers
-  only to Mosaic GPU (sm_90a); :func:`block_pass.block_pass` is the portable
-  reference.
+  Draw (b, s) is row ``b * S + s`` of base and of the per-draw arrays; this
+  call reads and writes the draws of step ``step[0]`` only. No interpreter
+  mode: this lowers only to Mosaic GPU (sm_90a); :func:`block_pass.block_pass`
+  is the portable reference.
 
   Args:
     base: bfloat16 [B * S, V], the base logits, request-major rows.
     emb: bfloat16 [B, R], each request's previous-token embedding row.
     proj: bfloat16 [V, R], the projection (vocabulary-major rows).
-    scale: float32 [B], 1 / T per request for this step (1 where greedy).
+    params: float32 [3, B * S], per draw: 1 / T (1 where greedy), the greedy
+      flag and the uniform (as the select pass takes them; row 0 is read).
     step: int32 [1], the step s (data, not static).
-    cache: float32 [B * S, V]; rows ``b * S + s`` are overwritten with x, the
-      rest is untouched. Donated: the update is in place (inside an outer
-      jit, donate the outer argument to avoid a copy of the cache). None:
-      a new cache of which only this step's rows are written (the rest is
+    cache: float32 [num_cache_rows, V], updated in place (donated; inside an
+      outer jit, donate the outer argument to avoid a copy). Dense layout
+      (no cache_rows): [B * S, V], row b * S + s gets draw (b, s); None:
+      a new dense cache of which only this step's rows are written (the rest
       uninitialised), as the sampler's step 0 makes it.
+    cache_rows: int32 [B * S], the state-row layout: the cache row of each
+      draw (< 0: padding, not stored); None: the dense layout.
     num_steps: S (static).
+    num_cache_rows: the cache's rows (static); None: B * S.
     block_b: requests per CTA (static): 128 (two consumer warpgroups of 64
       requests each) or 64 (the two split each vocabulary tile's columns);
       None: 128 where B % 128 == 0, else 64.
@@ -446,11 +479,17 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     num_sms: CTAs to aim for (static); None: the GPU's SM count, or 132.
 
   Returns:
-    (cache, block_max, block_sum, block_argmax): the cache float32
-    [B * S, V]; per request and block of ``block_v`` columns (NB = V //
-    block_v) float32 [B, NB] max of y = x * scale (NaN counts as -inf),
-    float32 [B, NB] sum of exp(y - m) with m the max where finite, else 0,
-    int32 [B, NB] vocabulary index of the first max.
+    (cache, block_max, block_sum, block_argmax): the cache; per block of
+    ``block_v`` columns and request, vocabulary-block-major (NB = V //
+    block_v; the select pass takes them with ``stats_major="block"``):
+    float32 [NB, B] max of y = x * params[0] (NaN counts as -inf), float32
+    [NB, B] sum of exp(y - m) with m the max where finite, else 0, int32
+    [NB, B] vocabulary index of the first max.
+
+  Operands of the Mosaic GPU call (the order a native runtime binds
+  pointers in): base, emb, proj, params, step, [cache_rows], [cache], then
+  the outputs block_max, block_sum, block_argmax [, cache when None was
+  given]; a given cache is aliased in and out.
 
   Raises:
     ValueError: shapes or dtypes other than the above, B % block_b != 0,
@@ -461,21 +500,39 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
   p = plan(base.shape, emb.shape, proj.shape, num_steps=num_steps,
            block_b=block_b, block_v=block_v,
            max_concurrent_steps=max_concurrent_steps, num_sms=num_sms)
-  _check_dtypes(base, emb, proj, scale, step, cache, p)
+  B, S, V = p.batch, p.steps, p.vocab
+  if num_cache_rows is None:
+    num_cache_rows = B * S
+  _check_operands(base, emb, proj, params, step, cache, cache_rows,
+                  num_cache_rows, p)
   if plgpu is None:
     raise ImportError("Pallas Mosaic GPU is unavailable") from _IMPORT_ERROR
-  B, S, V = p.batch, p.steps, p.vocab
-  stats_t = jax.ShapeDtypeStruct((p.num_blocks, B), jnp.float32)
-  out_type = (stats_t, stats_t,
-              jax.ShapeDtypeStruct((p.num_blocks, B), jnp.int32))
-  body = functools.partial(_kernel, p=p)
+  stats = jax.ShapeDtypeStruct((p.num_blocks, B), jnp.float32)
+  out_type = (stats, stats, jax.ShapeDtypeStruct((p.num_blocks, B), jnp.int32))
+  # [B, S, *] views are bitcasts. A Ref operand of a Mosaic GPU kernel is
+  # aliased in and out, which is the in-place cache update.
+  operands = [base.reshape(B, S, V), emb, proj, params.reshape(3, B, S), step]
+  names = ["base", "emb", "proj", "params", "step"]
+  if cache_rows is not None:
+    operands.append(cache_rows.reshape(B, S))
+    names.append("rows")
+  cache_ref = None
+  if cache is not None:
+    dense = cache_rows is None
+    cache_ref = jax.new_ref(cache.reshape(B, S, V) if dense else cache)
+    operands.append(cache_ref)
+    names.append("cache")
+  names += ["bmax", "bsum", "barg"]
   if cache is None:
     # A new cache is a kernel output: only this step's rows are written (the
     # sampler's steps after it write the others), so there is no memset.
     out_type += (jax.ShapeDtypeStruct((B, S, V), jnp.float32),)
+    names.append("cache")
 
-    def body(base, emb, proj, scale, step, bmax, bsum, barg, cache):
-      _kernel(base, emb, proj, scale, step, cache, bmax, bsum, barg, p=p)
+  def body(*refs):
+    r = dict(zip(names, refs, strict=True))
+    _kernel(r["base"], r["emb"], r["proj"], r["params"], r["step"],
+            r.get("rows"), r["cache"], r["bmax"], r["bsum"], r["barg"], p=p)
 
   # pl.kernel on a plgpu.Mesh rather than plgpu.kernel: the latter wraps the
   # call in a custom_vmap that does not take Ref operands (the aliased cache).
@@ -487,13 +544,10 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       compiler_params=plgpu.CompilerParams(),
       name="mosaic_block_pass",
   )
-  operands = (base.reshape(B, S, V), emb, proj, scale, step)
+  out = kernel(*operands)
   if cache is None:
-    bmax_t, bsum_t, barg_t, cache = kernel(*operands)
+    bmax, bsum, barg, new_cache = out
   else:
-    # [B, S, V] views are bitcasts. A Ref operand of a Mosaic GPU kernel is
-    # aliased in and out, which is the in-place cache update.
-    cache_ref = jax.new_ref(cache.reshape(B, S, V))
-    bmax_t, bsum_t, barg_t = kernel(*operands, cache_ref)
-    cache = jax.freeze(cache_ref)
-  return cache.reshape(B * S, V), bmax_t.T, bsum_t.T, barg_t.T
+    bmax, bsum, barg = out
+    new_cache = jax.freeze(cache_ref)
+  return new_cache.reshape(num_cache_rows, V), bmax, bsum, barg

@@ -63,13 +63,19 @@ def _to_target(token, columns_ref, vocab: int):
   return token if columns_ref is None else columns_ref[token]
 
 
+def _stats(ref, b, blocks_pow2: int, block_major: bool):
+  """Request b's row of a statistics ref ([B, NB], or [NB, B] block-major)."""
+  blocks = pl.ds(0, blocks_pow2)
+  return ref.at[blocks, b] if block_major else ref.at[b, blocks]
+
+
 def _first_argmax(bmax_ref, barg_ref, b, *, num_blocks: int,
-                  blocks_pow2: int):
+                  blocks_pow2: int, block_major: bool = False):
   """(row max m, first (vocabulary) index of m) of request b's statistics."""
   blk = jnp.arange(blocks_pow2)
-  bmax = plgpu.load(bmax_ref.at[b, pl.ds(0, blocks_pow2)],
+  bmax = plgpu.load(_stats(bmax_ref, b, blocks_pow2, block_major),
                     mask=blk < num_blocks, other=-jnp.inf)
-  barg = plgpu.load(barg_ref.at[b, pl.ds(0, blocks_pow2)],
+  barg = plgpu.load(_stats(barg_ref, b, blocks_pow2, block_major),
                     mask=blk < num_blocks, other=-1)
   m = jnp.max(bmax)
   # The first block whose max is the row max (blocks are in vocabulary order,
@@ -82,7 +88,7 @@ def _first_argmax(bmax_ref, barg_ref, b, *, num_blocks: int,
 
 
 def greedy_token(bmax_ref, barg_ref, b, *, num_blocks: int, blocks_pow2: int,
-                 vocab: int, columns_ref=None):
+                 vocab: int, columns_ref=None, block_major: bool = False):
   """The argmax token of request b from block maxima and first-max indices.
 
   What :func:`draw_token` draws for a greedy draw, reading no cache and no
@@ -90,28 +96,30 @@ def greedy_token(bmax_ref, barg_ref, b, *, num_blocks: int, blocks_pow2: int,
   columns_ref (increasing) is given, else an index in [0, vocab).
   """
   _, _, token = _first_argmax(bmax_ref, barg_ref, b, num_blocks=num_blocks,
-                              blocks_pow2=blocks_pow2)
+                              blocks_pow2=blocks_pow2, block_major=block_major)
   return _to_target(token, columns_ref, vocab)
 
 
 def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
                cache_rows_ref, b, d, *, num_blocks: int, blocks_pow2: int,
-               block_v: int, vocab: int):
+               block_v: int, vocab: int, block_major: bool = False):
   """The token of draw d (request b) from its block statistics and cache row.
 
   Shared by the select pass and the block pass's tail select (the block pass
   program that finishes a step last), so both draw with the same float32
   arithmetic. The refs are as the select pass takes them; cache_rows_ref is
   None for the dense layout. vocab is the number of columns the statistics
-  and the cache row cover.
+  and the cache row cover. block_major: the statistics are [NB, B] (the
+  Mosaic GPU block pass's), not [B, NB].
   """
   blk = jnp.arange(blocks_pow2)
   blk_mask = blk < num_blocks
   bmax, m, greedy_token = _first_argmax(bmax_ref, barg_ref, b,
                                         num_blocks=num_blocks,
-                                        blocks_pow2=blocks_pow2)
-  bsum = plgpu.load(bsum_ref.at[b, pl.ds(0, blocks_pow2)], mask=blk_mask,
-                    other=0.0)
+                                        blocks_pow2=blocks_pow2,
+                                        block_major=block_major)
+  bsum = plgpu.load(_stats(bsum_ref, b, blocks_pow2, block_major),
+                    mask=blk_mask, other=0.0)
   finite = (m > -jnp.inf) & (m < jnp.inf)
   greedy = (params_ref[1, d] != 0) | jnp.logical_not(finite)
 
@@ -142,7 +150,7 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
   # p can underflow to 0 in a block whose block-pass mass was positive: then
   # that block's own argmax is the drawable token left.
   sampled = jnp.where(last_idx >= 0, v0 + jnp.minimum(idx, last_idx),
-                      barg_ref[b, k])
+                      barg_ref[k, b] if block_major else barg_ref[b, k])
 
   token = jnp.where(greedy, greedy_token, sampled)
   return _to_target(token, None, vocab)
@@ -150,7 +158,7 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
 
 def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
                         block_v: int, steps: int, vocab: int, no_cache: bool,
-                        dependent_launch: bool):
+                        dependent_launch: bool, block_major: bool):
   # Every access below reads what the block pass wrote, or writes what the
   # next step's block pass reads: all after the wait, through b.
   b = pl.program_id(0)
@@ -163,12 +171,14 @@ def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
   if no_cache:
     outs["tokens"][d] = greedy_token(
         ins["block_max"], ins["block_argmax"], b, num_blocks=num_blocks,
-        blocks_pow2=blocks_pow2, vocab=vocab, columns_ref=columns_ref)
+        blocks_pow2=blocks_pow2, vocab=vocab, columns_ref=columns_ref,
+        block_major=block_major)
     return
   outs["tokens"][d] = draw_token(
       ins["block_max"], ins["block_sum"], ins["block_argmax"], ins["cache"],
       ins["params"], ins.get("cache_rows"), b, d, num_blocks=num_blocks,
-      blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab)
+      blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab,
+      block_major=block_major)
 
 
 def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
@@ -178,11 +188,13 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
                 tokens: jax.Array | None = None, *, config: KernelConfig,
                 num_steps: int, columns: jax.Array | None = None,
                 vocab: int | None = None, no_cache: bool = False,
-                dependent_launch: bool = False, interpret: bool = False):
+                dependent_launch: bool = False, stats_major: str = "request",
+                interpret: bool = False):
   """Runs the select pass of one step.
 
   Args:
-    block_max, block_sum, block_argmax: [B, NB] from the block pass.
+    block_max, block_sum, block_argmax: [B, NB] from the block pass ([NB, B]
+      with stats_major="block").
     cache: float32 [rows, V], the cache the block pass just wrote.
     step: int32 [1], the step s; draw (b, s) is flat index b * S + s of the
       per-draw arrays.
@@ -212,6 +224,9 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
       sm_90 or newer, not in the interpreter): the kernel waits for the
       kernels before it first thing, then lets the next one start (see
       :mod:`dependent_launch`).
+    stats_major: "request" (the statistics are [B, NB], the Triton block
+      pass's) or "block" ([NB, B], the Mosaic GPU block pass's: each request
+      reads a strided column, from L2 where the block pass just wrote it).
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
@@ -226,7 +241,11 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
   ``block_max, block_argmax, step, tokens, columns`` (those given).
   """
   dependent_launch_module.check(dependent_launch, interpret=interpret)
-  batch, num_blocks = block_max.shape
+  if stats_major not in ("request", "block"):
+    raise ValueError(f"stats_major must be 'request' or 'block', got "
+                     f"{stats_major!r}")
+  block_major = stats_major == "block"
+  batch, num_blocks = block_max.shape[::-1] if block_major else block_max.shape
   if no_cache != (cache is None) or (no_cache and any(
       x is not None for x in (block_sum, params, cache_rows))):
     raise ValueError("no_cache=True takes no block_sum, cache, params or "
@@ -250,7 +269,7 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
       _select_pass_kernel, num_blocks=num_blocks,
       blocks_pow2=pl.next_power_of_2(num_blocks), block_v=config.block_v,
       steps=num_steps, vocab=vocab, no_cache=no_cache,
-      dependent_launch=dependent_launch)
+      dependent_launch=dependent_launch, block_major=block_major)
   given = dict(block_max=block_max, block_sum=block_sum,
                block_argmax=block_argmax, cache=cache, step=step,
                params=params, cache_rows=cache_rows, tokens=tokens,
