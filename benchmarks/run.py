@@ -897,7 +897,7 @@ def _jm_kwargs(fn, shape, batch, method=None):
     meta["check_values"] = False
   try:
     import jax
-    from jax_markov.kernels import tuning
+    from jax_markov import sampler as jm_sampler
     # The sampler's own choice (the Mosaic GPU entry where it runs).
     cfg = jm_sampler._config(  # noqa: SLF001
         None, method, batch, shape.draft_vocab, shape.R,

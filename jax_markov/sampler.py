@@ -13,6 +13,7 @@ embedding row itself): nothing returns to the host.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -370,8 +371,16 @@ def _target_map(draft_to_target, target_vocab, vocab, head, config,
               target_vocab=int(target_vocab))
 
 
-@functools.cache
 def _mosaic_available() -> bool:
+  """Whether the tuning table may pick the Mosaic GPU block pass: a Hopper
+  GPU, unless $JAX_MARKOV_MOSAIC is "0"."""
+  if os.environ.get("JAX_MARKOV_MOSAIC") == "0":
+    return False
+  return _hopper()
+
+
+@functools.cache
+def _hopper() -> bool:
   return mosaic_block_pass.available()[0]
 
 

@@ -150,10 +150,14 @@ def bucket_dependent_launch(shape: "DraftShape", bucket: int,
 
 
 def mosaic_allowed(capability: tuple[int, int]) -> bool:
-  """Whether plans may use the Mosaic GPU block pass: a Hopper GPU (sm_90:
-  WGMMA), Pallas Mosaic GPU importable, and $JAX_MARKOV_MOSAIC not "0"."""
-  env = os.environ.get("JAX_MARKOV_MOSAIC", "1")
-  if env not in ("0", "1"):
+  """Whether plans may use the Mosaic GPU block pass: only where asked for
+  ($JAX_MARKOV_MOSAIC=1), on a Hopper GPU (sm_90: WGMMA) with Pallas Mosaic
+  GPU importable. Off by default: the native runtime writes the cache by
+  state row, one TMA store a row, which made the DeepSeek-V4 draft at
+  B = 256 1.8x slower than the Triton block pass on the H200
+  (docs/perf-notes.md change 34)."""
+  env = os.environ.get("JAX_MARKOV_MOSAIC")
+  if env not in (None, "0", "1"):
     raise ValueError(f"JAX_MARKOV_MOSAIC must be '0' or '1', got {env!r}")
   return (env == "1" and tuple(capability) == (9, 0)
           and mosaic_module.plgpu is not None)

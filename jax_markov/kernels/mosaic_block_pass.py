@@ -1,22 +1,25 @@
 """The fused block pass as a Pallas Mosaic GPU (Hopper) kernel, for large B.
 
-A prototype of the dense "fused" mode of :mod:`block_pass` (no tail select,
-slots, columns, cache rows or dependent launch): for one step s of an S-step
-draft it forms the pre-temperature logits
+The fused mode of :mod:`block_pass` (select pass, no tail select, slots,
+columns or dependent launch) for one step s of an S-step draft: it forms the
+pre-temperature logits
 
   x[b, v] = base[b * S + s, v] + sum_r emb[b, r] * proj[v, r]   (float32)
 
-stores them to cache row b * S + s in place, and reduces each request's
-row over every vocabulary block of ``block_v`` columns to the block's max,
-first argmax and sum of exp of y = x / T, as :func:`block_pass.block_statistics`
-does.
+stores them to the cache row of draw (b, s) (dense: b * S + s; state rows:
+``cache_rows[b * S + s]``, none where < 0), and reduces each request's row
+over every vocabulary block of ``block_v`` columns to the block's max, first
+argmax and sum of exp of y = x / T, as :func:`block_pass.block_statistics`
+does. The select pass draws from these (``stats_major="block"``).
 
 Why a second kernel: the Triton block pass re-reads its embedding tile and
 its proj tile from L2 in every program and streams ~265 MB a step at B = 256
 at ~2.4 TB/s. Here a CTA keeps its request tile's embeddings in shared
 memory for its whole run and streams only proj and base through TMA, with a
 producer warpgroup running ahead of two consumer warpgroups (the structure
-of JAX's hopper_matmul_mgpu.py and attention_mgpu.py).
+of JAX's hopper_matmul_mgpu.py and attention_mgpu.py). On the H200 a step
+at B = 256 takes 99 us against the Triton pass's 120 (docs/perf-notes.md
+change 34).
 
 Kernel layout (all static, chosen by :func:`plan`):
 
@@ -33,11 +36,14 @@ Kernel layout (all static, chosen by :func:`plan`):
   ``max_concurrent_steps`` proj chunks [cta_v, 64] (R is walked in chunks of
   64 columns: one 128-byte swizzle row of bf16), a ring of 2 base tiles
   [block_b, cta_v], per consumer ``out_slots`` float32 [64, 64] staging tiles
-  for the cache stores and one [64] row of each statistic.
-* the statistics leave the kernel vocabulary-block-major, [NB, B], and are
-  transposed to [B, NB] by XLA: a TMA store into [B, NB] would need NB * 4
-  bytes to be a multiple of 16 (NB = 1010 at V = 129280, block_v = 128 is
-  not), and a [64]-row of [NB, B] is one contiguous 256-byte TMA.
+  for the cache stores (unswizzled with state rows, whose stores take one
+  row each) and one [64] row of each statistic.
+* 1 / T is read per draw from row 0 of the [3, B * S] draw parameters (a
+  strided load of 64 values per consumer, once per CTA).
+* the statistics leave the kernel vocabulary-block-major, [NB, B]: a TMA
+  store into [B, NB] would need NB * 4 bytes to be a multiple of 16 (NB =
+  1010 at V = 129280, block_v = 128 is not) and a box at least 16 bytes
+  wide, and a [64]-row of [NB, B] is one contiguous 256-byte TMA.
 
 Mosaic GPU only: there is no interpreter path (use :mod:`block_pass` with
 ``interpret=True`` for CPU semantics). Importing this module never fails; a
