@@ -301,3 +301,20 @@ def test_embed_rows_gathers_the_previous_tokens_rows():
     prev = anchors if s == 0 else tokens.reshape(B, S)[:, s - 1]
     np.testing.assert_array_equal(np.asarray(out, np.float32),
                                   np.asarray(embed[prev], np.float32))
+
+
+def test_mosaic_launch_lowers_one_call_and_refuses_more():
+  """torch_bridge.mosaic_launch.lower: operands traced back to arguments
+  through reshapes, the cache result aliased; any XLA op beside the call is
+  refused (the native runtime launches the kernel alone)."""
+  pytest.importorskip("torch")
+  from torch_bridge import mosaic_launch
+  specs = _specs(128, 1024, 128, 3)
+  run = lambda *a: mbp.mosaic_block_pass(*a, num_steps=3, num_sms=132)
+  ir = mosaic_launch.lower(run, *specs, name="t")
+  assert ir.operands == (0, 1, 2, 3, 4, 5) and ir.module
+  assert ir.results == (None, None, None, 5)
+  with pytest.raises(ValueError, match="unsupported operation"):
+    mosaic_launch.lower(lambda *a: run(*a)[1] + 1.0, *specs, name="t")
+  with pytest.raises(ValueError, match="more than one Mosaic GPU call"):
+    mosaic_launch.lower(lambda *a: (run(*a), run(*a)), *specs, name="t")
