@@ -24,8 +24,8 @@ class KernelConfig:
     method: "fused" (the bias dot inside the block pass) or "xla_bias" (an
       XLA GEMM writes the bias [B, V] to HBM and the block pass reads it:
       vLLM's design), or "mosaic": the fused block pass as a Pallas Mosaic
-      GPU kernel (kernels/mosaic_block_pass.py; Hopper only, bfloat16, the
-      dense layout, no reduced vocabulary, no interpreter), block_b 64 or
+      GPU kernel (kernels/mosaic_block_pass.py; Hopper only, bfloat16, no
+      reduced vocabulary, no greedy drafting, no interpreter), block_b 64 or
       128, block_v 64 or 128, num_stages its proj chunks in flight (< 2:
       as many as fit in shared memory); the select pass stays Triton.
     block_b: requests per block-pass program (1 for "xla_bias").

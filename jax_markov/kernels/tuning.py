@@ -71,9 +71,9 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
         num_stages=3),
     # The Mosaic GPU block pass (Hopper), picked by choose(hopper=True) for
-    # batches it divides into request tiles: mosaic_check.py on an H200,
-    # B = 256: 98.8 us a step against the Triton entry's 120 us
-    # (docs/perf-notes.md change 34).
+    # batches it divides into request tiles: one step alone on an H200,
+    # B = 256: 98.8 us against the Triton entry's 120 us; the JAX draft
+    # 0.705 against 0.859 ms (docs/perf-notes.md change 34).
     ("mosaic", 129280, 256, 256): KernelConfig(
         method="mosaic", block_b=128, block_v=64, num_stages=8),
     ("xla_bias", 129280, 256, 1): KernelConfig(
