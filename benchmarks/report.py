@@ -59,6 +59,8 @@ DESCRIPTIONS = {
                  "jit",
     "jax_markov_xla_bias": "jax_markov with `method=\"xla_bias\"`: XLA "
                             "bias GEMM, then the Pallas block pass",
+    "jax_markov_fused": "jax_markov with `method=\"fused\"`: the Triton "
+                        "block pass where the table would pick Mosaic GPU",
     "jax_markov_greedy": "`jm.greedy_draft`: greedy drafting, tokens only "
                          "(no cache)",
     "torch_bridge_greedy": "the hook in greedy mode (`spec.draft_logits = "

@@ -102,8 +102,8 @@ def _parser() -> argparse.ArgumentParser:
                  help="comma-separated temperatures (default: 0,1)")
   p.add_argument("--impls", default=None,
                  help="comma-separated of " + ",".join(ALL_IMPLS) +
-                 " (default: all but jax_markov_xla_bias and "
-                 "torch_bridge_greedy; the greedy ones only on " +
+                 " (default: all but jax_markov_xla_bias, "
+                 "jax_markov_fused and torch_bridge_greedy; the greedy ones only on " +
                  ",".join(common.GREEDY_DEFAULT_SHAPES) + " unless named)")
   p.add_argument("--repeats", type=int, default=None,
                  help="timed calls per point (default 100; 10 with --quick)")
@@ -775,9 +775,10 @@ class _JaxFamily:
         raise _Skip(f"{impl} has no reduced-vocabulary form here")
       jm = self.jm
       kwargs, meta = _jm_kwargs(jm.sample_draft, shape, batch)
-      if impl == "jax_markov_xla_bias":
-        kwargs["method"] = "xla_bias"
-        meta = _jm_kwargs(jm.sample_draft, shape, batch, "xla_bias")[1]
+      for forced in ("xla_bias", "fused"):
+        if impl == f"jax_markov_{forced}":
+          kwargs["method"] = forced
+          meta = _jm_kwargs(jm.sample_draft, shape, batch, forced)[1]
       heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in self.sets]
       calls = [
           (lambda d=d, h=h: jm.sample_draft(d["base"], d["anchors"], h,
