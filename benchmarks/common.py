@@ -109,6 +109,9 @@ FAMILIES = {
     # Not in the defaults: jax_markov forced to method="fused" (the Triton
     # block pass), to set the table's Mosaic GPU choice beside it in one run.
     "jax_markov_fused": "jax",
+    # Not in the defaults: the captured hook with mosaic=True (the Mosaic GPU
+    # block pass where the table has it; Hopper only).
+    "torch_bridge_mosaic_graph": "bridge",
 }
 IMPLS = ("jax_markov", "torch_bridge", "torch_bridge_graph", "seed_design",
          "seed_design_graph", "f32_bias_design", "f32_bias_design_graph",
@@ -117,7 +120,7 @@ IMPLS = ("jax_markov", "torch_bridge", "torch_bridge_graph", "seed_design",
 # torch_bridge_greedy (eager) is not in the defaults: the CPU tests' path to
 # the greedy hook (a CUDA graph needs a GPU).
 ALL_IMPLS = IMPLS + ("torch_bridge_greedy", "jax_markov_xla_bias",
-                     "jax_markov_fused")
+                     "jax_markov_fused", "torch_bridge_mosaic_graph")
 # Tokens only (no cache): timed once, at temperature 0, in their own table.
 GREEDY_IMPLS = ("jax_markov_greedy", "torch_bridge_greedy",
                 "torch_bridge_greedy_graph")

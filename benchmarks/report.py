@@ -61,6 +61,9 @@ DESCRIPTIONS = {
                             "bias GEMM, then the Pallas block pass",
     "jax_markov_fused": "jax_markov with `method=\"fused\"`: the Triton "
                         "block pass where the table would pick Mosaic GPU",
+    "torch_bridge_mosaic_graph": "the hook with `mosaic=True` (the Mosaic "
+                                 "GPU block pass where the table has it), "
+                                 "captured in a CUDA graph",
     "jax_markov_greedy": "`jm.greedy_draft`: greedy drafting, tokens only "
                          "(no cache)",
     "torch_bridge_greedy": "the hook in greedy mode (`spec.draft_logits = "

@@ -20,6 +20,11 @@ backbone forward is not timed) for each implementation:
   vllm_loop_graph         the same captured in a CUDA graph
   plain_jax               jnp ops + jax.random.categorical in lax.scan, jit
 
+Not in the defaults, for A/B rows in one run: jax_markov_xla_bias
+(method="xla_bias"), jax_markov_fused (method="fused": the Triton block pass
+where the table picks Mosaic GPU) and torch_bridge_mosaic_graph (the captured
+hook with mosaic=True: the Mosaic GPU block pass, Hopper only).
+
 Greedy drafting (tokens only, no cache; timed once, at temperature 0, and by
 default only on dsv4 and dsv4r):
 
@@ -103,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--impls", default=None,
                  help="comma-separated of " + ",".join(ALL_IMPLS) +
                  " (default: all but jax_markov_xla_bias, "
-                 "jax_markov_fused and torch_bridge_greedy; the greedy ones only on " +
+                 "jax_markov_fused, torch_bridge_mosaic_graph and "
+                 "torch_bridge_greedy; the greedy ones only on " +
                  ",".join(common.GREEDY_DEFAULT_SHAPES) + " unless named)")
   p.add_argument("--repeats", type=int, default=None,
                  help="timed calls per point (default 100; 10 with --quick)")
@@ -969,8 +975,9 @@ class _BridgeFamily(_TorchFamily):
                   f"({self.bridge_error}); no DLPack fallback for this mode")
     if self.bridge_error is None:
       try:
-        return self._prepare_bridge(shape, batch, temperature, seeds,
-                                    positions, graph, greedy)
+        return self._prepare_bridge(
+            shape, batch, temperature, seeds, positions, graph, greedy,
+            mosaic=impl == "torch_bridge_mosaic_graph")
       except _Skip:
         raise
       except Exception as e:  # noqa: BLE001 -- fall back, say why
@@ -986,12 +993,15 @@ class _BridgeFamily(_TorchFamily):
         self.progress)
     return self._prepare_dlpack(shape, batch, temperature, seeds, positions)
 
-  def _make_sampler(self, shape, batch, dtype):
-    """The hook with the default runtime; its constructor before the
-    runtime argument existed is accepted too (then the row says so)."""
+  def _make_sampler(self, shape, batch, dtype, mosaic=False):
+    """The hook with the default runtime (and mosaic=True when asked); its
+    constructor before the runtime argument existed is accepted too (then
+    the row says so)."""
+    extra = dict(mosaic=True) if mosaic else {}
     try:
       return self.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
-                                     dtype, runtime=None, check_values=False)
+                                     dtype, runtime=None, check_values=False,
+                                     **extra)
     except TypeError as e:
       if "runtime" not in str(e):
         raise
@@ -999,7 +1009,7 @@ class _BridgeFamily(_TorchFamily):
                                      dtype, check_values=False)
 
   def _prepare_bridge(self, shape, batch, temperature, seeds, positions,
-                      graph, greedy=False):
+                      graph, greedy=False, mosaic=False):
     torch = self.torch
     dtype = getattr(torch, shape.dtype)
     # A reduced vocabulary: the double in vLLM's d2t mode over the synthetic
@@ -1014,7 +1024,8 @@ class _BridgeFamily(_TorchFamily):
                                           d["anchors"], temperature, seeds,
                                           positions, **mode_kw)
              for d in self.sets]
-    samplers = [self._make_sampler(shape, batch, dtype) for _ in specs]
+    samplers = [self._make_sampler(shape, batch, dtype, mosaic)
+                for _ in specs]
     runtime = getattr(samplers[0], "runtime", "jax (no runtime attribute)")
     if graph and runtime != "native":
       raise _Skip(f"the hook's {runtime!r} runtime cannot be captured in a "

@@ -186,6 +186,20 @@ def test_mosaic_allowed(monkeypatch):
   monkeypatch.setenv("JAX_MARKOV_MOSAIC", "yes")
   with pytest.raises(ValueError, match="JAX_MARKOV_MOSAIC"):
     native_plan.mosaic_allowed((9, 0))
+  # The hook's argument wins over the variable; asked for, it must run.
+  assert native_plan.mosaic_allowed((9, 0), True)
+  assert not native_plan.mosaic_allowed((9, 0), False)
+  with pytest.raises(ValueError, match="mosaic=True needs a Hopper GPU"):
+    native_plan.mosaic_allowed((8, 9), True)
+
+
+def test_hook_mosaic_argument():
+  pytest.importorskip("torch")
+  for value in (None, True, False):
+    assert tb.FusedMarkovSampler(4, 64, 8, "bfloat16", runtime="jax",
+                                 mosaic=value).mosaic is value
+  with pytest.raises(ValueError, match="mosaic must be"):
+    tb.FusedMarkovSampler(4, 64, 8, "bfloat16", runtime="jax", mosaic=1)
 
 
 @pytest.mark.parametrize("greedy,draft_vocab", [(False, None), (True, None),

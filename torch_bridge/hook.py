@@ -97,7 +97,8 @@ class FusedMarkovSampler:
                *, runtime: str | None = None, buckets=None,
                check_values: bool = False, on_capture: str = "raise",
                cache_dir: str | None = None,
-               dependent_launch: bool | None = None):
+               dependent_launch: bool | None = None,
+               mosaic: bool | None = None):
     """Builds the hook.
 
     Args:
@@ -130,6 +131,13 @@ class FusedMarkovSampler:
         an H200. True, False, or None (default):
         $JAX_MARKOV_DEPENDENT_LAUNCH ("1" / "0") where set, else wherever
         the GPU has them.
+      mosaic: the native runtime's buckets that the tuning table gives to
+        the Mosaic GPU block pass (Hopper; B = 256 at the DeepSeek-V4 shape;
+        sampling the full vocabulary in bf16) run it (docs/torch_bridge.md).
+        True (raises at the first draft on a GPU that cannot), False, or
+        None (default): $JAX_MARKOV_MOSAIC == "1". Off by default: with the
+        state-indexed cache it was 1.8x slower than the Triton block pass
+        on an H200 (docs/perf-notes.md change 34).
 
     The hook owns the scratch its draft uses (statistics, draw parameters,
     tokens): keep it alive as long as any CUDA graph captured with it may be
@@ -160,6 +168,9 @@ class FusedMarkovSampler:
       raise ValueError("dependent_launch must be True, False or None, got "
                        f"{dependent_launch!r}")
     self.dependent_launch = dependent_launch
+    if not (mosaic is None or isinstance(mosaic, bool)):
+      raise ValueError(f"mosaic must be True, False or None, got {mosaic!r}")
+    self.mosaic = mosaic
     self.runtime, self.runtime_reason = _choose_runtime(runtime)
     log.info("torch_bridge.FusedMarkovSampler: runtime %r (%s)", self.runtime,
              self.runtime_reason)

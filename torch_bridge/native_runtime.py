@@ -81,7 +81,8 @@ class NativeRuntime:
     device = torch.device(self._device) if self._device is not None else None
     if device is None or device.type != "cuda" or not torch.cuda.is_available():
       return False
-    return native_plan.mosaic_allowed(torch.cuda.get_device_capability(device))
+    return native_plan.mosaic_allowed(torch.cuda.get_device_capability(device),
+                                      self.hook.mosaic)
 
   def _shape(self, spec, s_len: int, base_dtype,
              mode: modes.Mode) -> native_plan.DraftShape:
