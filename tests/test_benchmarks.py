@@ -400,6 +400,24 @@ def test_stress_capture_cpu_refusal():
                                 "on"]) == 2
 
 
+def test_block_step_inputs_and_cpu_refusal():
+  """benchmarks/block_step.py times one step of the Triton and Mosaic GPU
+  block passes: its state rows give every draw of a step its own row (a
+  permutation of the slots, and the identity), and it refuses clearly where
+  no Hopper GPU is."""
+  from benchmarks import block_step
+  from jax_markov.kernels import mosaic_block_pass as mbp
+  B, S = 16, 3
+  x = block_step._inputs(B, S, 256, 64)
+  for name in ("rows", "rows_id"):
+    rows = np.asarray(x[name]).reshape(B, S)
+    np.testing.assert_array_equal(np.sort(rows.reshape(-1)), np.arange(B * S))
+    np.testing.assert_array_equal(rows % S, np.broadcast_to(np.arange(S),
+                                                            (B, S)))
+  if not mbp.available()[0]:
+    assert block_step.main(["--batches", "64"]) == 2
+
+
 def test_timeline_script_smoke(tmp_path):
   """benchmarks/timeline.py runs end to end on the tiny shape (on CPU the
   trace has no GPU kernels; the host issue times and the overrides still count)."""

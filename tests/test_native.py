@@ -432,16 +432,19 @@ def test_gpu_persistent_draft_eager_captured_and_jm_agree(
   _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=2)
 
 
-@pytest.mark.parametrize("m,s,v,r,calls", [
-    (128, 3, 2048, 128, (128, 100, 64)),
-    (256, 7, 129280, 256, (256, 200)),
+@pytest.mark.parametrize("m,s,v,r,calls,runs", [
+    (128, 3, 2048, 128, (128, 100, 64), False),
+    (128, 3, 2048, 128, (128, 100, 64), True),
+    (256, 7, 129280, 256, (256, 200), False),
+    (256, 7, 129280, 256, (256, 200), True),
 ])
 def test_gpu_mosaic_eager_captured_and_jm_agree(monkeypatch, m, s, v, r,
-                                                calls):
+                                                calls, runs):
   """The Mosaic GPU block pass in the native runtime (Hopper only; at every
   bucket of 64 requests and more here): the draft is the contract's, padding
   rows write nothing, and the captured graph (the Mosaic launch recorded
-  on the capture stream) replays it bit for bit twice."""
+  on the capture stream) replays it bit for bit twice. State rows random,
+  or with runs request b in slot b."""
   from jax_markov.kernels import mosaic_block_pass as mbp
   from jax_markov.kernels import tuning
   if _GPU and torch.cuda.get_device_capability() != (9, 0):
@@ -460,11 +463,14 @@ def test_gpu_mosaic_eager_captured_and_jm_agree(monkeypatch, m, s, v, r,
   original_call = mbp.mosaic_block_pass
   monkeypatch.setattr(mbp, "mosaic_block_pass", lambda *a, **k: (
       launched.append(k["block_b"]), original_call(*a, **k))[1])
-  _eager_captured_and_jm_agree(m, s, v, r, torch.bfloat16, calls, replays=2)
+  _eager_captured_and_jm_agree(m, s, v, r, torch.bfloat16, calls, replays=2,
+                               rows=torch.arange if runs else None)
   assert launched  # the plans were built with the Mosaic kernel
 
 
-def _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=1):
+def _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=1,
+                                 rows=None):
+  """rows: None (random state rows) or n -> the state rows of n requests."""
   pytest.importorskip("triton")
   if not _GPU:
     pytest.skip("needs a CUDA GPU")
@@ -473,7 +479,8 @@ def _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=1):
   sampler = _sampler(spec)
   sampler.warmup(spec)
   for n in calls:
-    hidden = spec.prepare(n, greedy=(0,))
+    hidden = spec.prepare(n, greedy=(0,),
+                          rows=None if rows is None else rows(n))
     tokens0, cache0 = _snapshot(spec)
     assert sampler(spec, n, hidden)
     torch.cuda.synchronize()

@@ -1,0 +1,123 @@
+"""Times one block pass step alone on a GPU: Triton against Mosaic GPU.
+
+  python -m benchmarks.block_step --batches 64 256 --out step.json
+
+Each variant runs a step ``--reps`` times inside one jitted fori_loop (the
+cache carried and updated in place, the step index cycling through 0..S-1),
+so the time per step is GPU time without the host's dispatch. Variants (the
+DeepSeek-V4 shape, bf16):
+
+* triton: the fused Triton block pass, the table's configuration, dense;
+* triton_rows: the same with state rows (the native runtime's layout);
+* mosaic: the Mosaic GPU pass, dense (a TMA store a [64, 64] tile);
+* mosaic_rows: Mosaic GPU with state rows (a TMA store a row);
+* *_rows_id: state rows, request b in slot b.
+
+State rows (not _id) are a random permutation of the N = B slots, as a
+serving engine's request slots can be. Statistics only: the select pass is
+not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_markov.kernels import block_pass as bp
+from jax_markov.kernels import mosaic_block_pass as mbp
+from jax_markov.kernels import tuning
+
+VARIANTS = ("triton", "triton_rows", "triton_rows_id", "mosaic",
+            "mosaic_rows", "mosaic_rows_id")
+
+
+def _inputs(B, S, V, R, seed=0):
+  rng = np.random.default_rng(seed)
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  params = jnp.stack([jnp.ones(B * S, jnp.float32), jnp.zeros(B * S),
+                      jnp.full(B * S, 0.5)])
+  rows = np.repeat(rng.permutation(B)[:, None] * S, S, axis=1) + np.arange(S)
+  return dict(rows_id=jnp.arange(B * S, dtype=jnp.int32),base=bf16(B * S, V), emb=bf16(B, R), embed=bf16(V, R),
+              proj=bf16(V, R) * 0.05, params=params,
+              anchors=jnp.asarray(rng.integers(0, V, B), jnp.int32),
+              rows=jnp.asarray(rows.reshape(-1), jnp.int32))
+
+
+def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg):
+  """A jitted (inputs, cache, reps) -> cache running the step reps times."""
+  def one(x, cache, s):
+    step = jnp.reshape(s % S, (1,)).astype(jnp.int32)
+    if variant.startswith("triton"):
+      rows = dict(triton_rows=x["rows"],
+                  triton_rows_id=x["rows_id"]).get(variant)
+      out = bp.block_pass(x["base"], (x["embed"], x["proj"], x["anchors"]),
+                          step, x["params"], rows, cache, config=triton_cfg,
+                          num_steps=S, num_cache_rows=B * S)
+      return out[0]
+    rows = dict(mosaic_rows=x["rows"], mosaic_rows_id=x["rows_id"]).get(variant)
+    out = mbp.mosaic_block_pass(
+        x["base"], x["emb"], x["proj"], x["params"], step, cache, rows,
+        num_steps=S, block_b=mosaic_cfg.block_b, block_v=mosaic_cfg.block_v,
+        max_concurrent_steps=(mosaic_cfg.num_stages
+                              if mosaic_cfg.num_stages >= 2 else None))
+    return out[0]
+
+  def loop(x, cache, reps):
+    return jax.lax.fori_loop(0, reps, lambda i, c: one(x, c, i), cache)
+
+  return jax.jit(loop, static_argnums=2, donate_argnums=1)
+
+
+def time_variant(variant, B, *, S=7, V=129280, R=256, reps=50, repeats=5):
+  x = _inputs(B, S, V, R)
+  mosaic_cfg = tuning.choose("mosaic", B, V, R, interpret=False)
+  triton_cfg = tuning.choose("fused", B, V, R, interpret=False)
+  fn = step_fn(variant, B, S, V, R, mosaic_cfg=mosaic_cfg,
+               triton_cfg=triton_cfg)
+  cache = jnp.zeros((B * S, V), jnp.float32)
+  cache = fn(x, cache, reps).block_until_ready()  # compile + warm
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    cache = fn(x, cache, reps).block_until_ready()
+    times.append((time.perf_counter() - t0) / reps * 1e6)
+  cfg = triton_cfg if variant.startswith("triton") else mosaic_cfg
+  return dict(variant=variant, batch=B, us_per_step=float(np.median(times)),
+              us_min=float(np.min(times)), config=str(cfg))
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
+  ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                  choices=VARIANTS)
+  ap.add_argument("--reps", type=int, default=50)
+  ap.add_argument("--out", default=None)
+  args = ap.parse_args(argv)
+  ok, why = mbp.available()
+  if not ok:
+    print(f"block_step: needs a Hopper GPU ({why})", file=sys.stderr)
+    return 2
+  rows = []
+  for B in args.batches:
+    for v in args.variants:
+      try:
+        r = time_variant(v, B, reps=args.reps)
+      except Exception as e:  # pylint: disable=broad-except
+        r = dict(variant=v, batch=B, error=f"{type(e).__name__}: {e}"[:300])
+      print(json.dumps(r), flush=True)
+      rows.append(r)
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump(dict(device=str(jax.devices()[0]), rows=rows), f, indent=1)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
