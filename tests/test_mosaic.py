@@ -153,8 +153,8 @@ def test_into_state_rows(B, N, block_b, rows):
                             rng.permutation(rest)[:B - run]])
   idx_map = np.repeat(state[:, None], S, axis=1).astype(np.int32)
   if rows == "random" or B > 64:
-    idx_map[3] = -1
-  idx_map[B - 1, 2] = -1  # B = 64 "runs": only step 2 is not one run
+    idx_map[3] = -1  # a padded request (at B = 64 "runs": slots 16-79 whole)
+  idx_map[B - 1, 2] = -1  # a padded draw
   temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0], N), jnp.float32)
   seeds = rng.integers(0, 2**62, N, dtype=np.int64)
   cache0 = jnp.asarray(rng.standard_normal((N, S, V)), jnp.float32)
