@@ -10,8 +10,10 @@ DeepSeek-V4 shape, bf16):
 * triton: the fused Triton block pass, the table's configuration, dense;
 * triton_rows: the same with state rows (the native runtime's layout);
 * mosaic: the Mosaic GPU pass, dense (a TMA store a [64, 64] tile);
-* mosaic_rows: Mosaic GPU with state rows (a TMA store a row);
-* *_rows_id: state rows, request b in slot b.
+* mosaic_rows: Mosaic GPU with state rows (row_stores="warp": one warp
+  store a row through shared memory);
+* mosaic_rows_tma: the same with row_stores="tma" (a TMA store a row);
+* *_rows_id*: state rows, request b in slot b.
 
 State rows (not _id) are a random permutation of the N = B slots, as a
 serving engine's request slots can be. Statistics only: the select pass is
@@ -34,7 +36,8 @@ from jax_markov.kernels import mosaic_block_pass as mbp
 from jax_markov.kernels import tuning
 
 VARIANTS = ("triton", "triton_rows", "triton_rows_id", "mosaic",
-            "mosaic_rows", "mosaic_rows_id")
+            "mosaic_rows", "mosaic_rows_id", "mosaic_rows_tma",
+            "mosaic_rows_id_tma")
 
 
 def _inputs(B, S, V, R, seed=0):
@@ -60,12 +63,14 @@ def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg):
                           step, x["params"], rows, cache, config=triton_cfg,
                           num_steps=S, num_cache_rows=B * S)
       return out[0]
-    rows = dict(mosaic_rows=x["rows"], mosaic_rows_id=x["rows_id"]).get(variant)
+    rows = dict(mosaic_rows=x["rows"], mosaic_rows_id=x["rows_id"]).get(
+        variant.removesuffix("_tma"))
     out = mbp.mosaic_block_pass(
         x["base"], x["emb"], x["proj"], x["params"], step, cache, rows,
         num_steps=S, block_b=mosaic_cfg.block_b, block_v=mosaic_cfg.block_v,
         max_concurrent_steps=(mosaic_cfg.num_stages
-                              if mosaic_cfg.num_stages >= 2 else None))
+                              if mosaic_cfg.num_stages >= 2 else None),
+        row_stores="tma" if variant.endswith("_tma") else "warp")
     return out[0]
 
   def loop(x, cache, reps):

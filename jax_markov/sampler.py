@@ -539,8 +539,11 @@ def sample_draft_into(cache, base_logits, anchor_tokens, head: MarkovHead,
   validate.check_temperature(temperature, N, "N", check_values=check_values)
   words = rng.check_seeds(seeds, N, "N")
   interpret = _interpret_default(interpret)
+  # The Mosaic GPU block pass takes bfloat16 and the plain layout only.
+  hopper = (draft_to_target is None and _dtype(base_logits) == jnp.bfloat16
+            and head.proj.dtype == jnp.bfloat16)
   config = _config(config, method, B, cache_vocab, head.rank, interpret,
-                   stepwise=draft_to_target is not None)
+                   stepwise=draft_to_target is not None, hopper=hopper)
   map_kw = {}
   if draft_to_target is not None:
     d2t, _ = _map_statics(draft_to_target, config, increasing)

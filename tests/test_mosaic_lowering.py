@@ -8,6 +8,8 @@ module to a cubin, and running it, still needs a Hopper GPU:
 mosaic_check.py.)
 """
 
+import itertools
+
 import chex
 import numpy as np
 import jax
@@ -78,14 +80,15 @@ def test_output_shapes():
 
 
 def test_plan_fits_shared_memory():
-  for B in (64, 128, 256):
-    for block_v in (64, 128):
-      p = mbp.plan((B * 7, DSV4["V"]), (B, 256), (DSV4["V"], 256),
-                   num_steps=7, block_b=None, block_v=block_v,
-                   max_concurrent_steps=None, num_sms=132)
-      assert p.smem_bytes <= mbp.SMEM_LIMIT
-      assert p.stages >= 2
-      assert p.num_b_tiles * p.grid_v <= 132
+  for B, block_v, row_stores in itertools.product((64, 128, 256), (64, 128),
+                                                 mbp.ROW_STORES):
+    p = mbp.plan((B * 7, DSV4["V"]), (B, 256), (DSV4["V"], 256),
+                 num_steps=7, block_b=None, block_v=block_v,
+                 max_concurrent_steps=None, num_sms=132,
+                 row_stores=row_stores)
+    assert p.smem_bytes <= mbp.SMEM_LIMIT
+    assert p.stages >= 2
+    assert p.num_b_tiles * p.grid_v <= 132
 
 
 @pytest.mark.parametrize("B,V,R,S,kw,dtypes,match", [
@@ -98,6 +101,7 @@ def test_plan_fits_shared_memory():
     (128, 1024, 128, 3, dict(block_v=32), {}, "block_v must be"),
     (128, 1024, 128, 3, dict(block_b=256), {}, "block_b must be"),
     (128, 1024, 128, 3, dict(max_concurrent_steps=1), {}, ">= 2"),
+    (128, 1024, 128, 3, dict(row_stores="dma"), {}, "row_stores must be"),
     (128, 1024, 256, 3, dict(max_concurrent_steps=16), {}, "shared memory"),
     (128, 1024, 128, 3, {}, dict(base=jnp.float32), "base must be bfloat16"),
     (128, 1024, 128, 3, {}, dict(emb=jnp.float32), "emb must be bfloat16"),
@@ -147,15 +151,17 @@ def test_new_cache_is_an_output():
   chex.assert_shape(lowered.out_info[0], (3 * 128, 1024))
 
 
-def test_state_rows_lower_and_alias_the_cache():
+@pytest.mark.parametrize("row_stores,B,block_v", [
+    ("warp", 128, 128), ("warp", 64, 64), ("tma", 128, 128)])
+def test_state_rows_lower_and_alias_the_cache(row_stores, B, block_v):
   """cache_rows: the cache [N, V] is aliased (updated in place) and stored
   one row at a time; a cache_rows without a cache is refused."""
-  B, V, R, S, N = 128, 1024, 128, 3, 500
+  V, R, S, N = 1024, 128, 3, 500
   specs = _specs(B, V, R, S)[:5] + [spec((N, V), jnp.float32),
                                     spec((B * S,), jnp.int32)]
   lowered = mbp.mosaic_block_pass.trace(
-      *specs, num_steps=S, num_cache_rows=N, num_sms=132).lower(
-          lowering_platforms=("cuda",))
+      *specs, num_steps=S, num_cache_rows=N, num_sms=132, block_v=block_v,
+      row_stores=row_stores).lower(lowering_platforms=("cuda",))
   text = lowered.as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
   assert "output_operand_alias" in text
@@ -317,3 +323,27 @@ def test_mosaic_launch_lowers_one_call_and_refuses_more():
     mosaic_launch.lower(lambda *a: run(*a)[1] + 1.0, *specs, name="t")
   with pytest.raises(ValueError, match="more than one Mosaic GPU call"):
     mosaic_launch.lower(lambda *a: (run(*a), run(*a)), *specs, name="t")
+
+
+def test_sample_draft_into_takes_the_tables_mosaic_choice(monkeypatch):
+  """sample_draft_into (the state-indexed cache) runs the Mosaic GPU pass
+  where sample_draft does: the table's B = 256 entry on a Hopper GPU, bf16,
+  no map; with a map it keeps the Triton pass (checked on the CPU: the
+  launch is replaced, only the configuration it gets is read)."""
+  from jax_markov import sampler
+  monkeypatch.setattr(sampler, "_mosaic_available", lambda: True)
+  seen = []
+  monkeypatch.setattr(sampler, "_sample_draft_into_donated",
+                      lambda *a, config, **k: seen.append(config))
+  B, S, V, R, N = 256, 2, DSV4["V"], DSV4["R"], 260
+  head = jm.MarkovHead(embed=jnp.zeros((V, R), jnp.bfloat16),
+                       proj=jnp.zeros((V, R), jnp.bfloat16))
+  args = (jnp.zeros((N, S, V), jnp.float32), jnp.zeros((B, S, V), jnp.bfloat16),
+          jnp.zeros(B, jnp.int32), head, jnp.ones(N, jnp.float32),
+          np.arange(N, dtype=np.int64), jnp.zeros((B, S), jnp.int32),
+          jnp.zeros((B, S), jnp.int32))
+  jm.sample_draft_into(*args, interpret=False, check_values=False)
+  assert seen[-1].method == "mosaic"
+  jm.sample_draft_into(*args[:1], args[1].astype(jnp.float32), *args[2:],
+                       interpret=False, check_values=False)
+  assert seen[-1].method == "fused"

@@ -176,7 +176,8 @@ def test_mosaic_bucket_is_planned(tmp_path):
 def test_mosaic_allowed(monkeypatch):
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   monkeypatch.delenv("JAX_MARKOV_MOSAIC", raising=False)
-  assert not native_plan.mosaic_allowed((9, 0))  # opt-in (state rows)
+  assert native_plan.mosaic_allowed((9, 0))  # on where it runs
+  assert not native_plan.mosaic_allowed((8, 0))
   monkeypatch.setenv("JAX_MARKOV_MOSAIC", "1")
   assert native_plan.mosaic_allowed((9, 0))
   assert not native_plan.mosaic_allowed((8, 0))
@@ -458,7 +459,7 @@ def test_gpu_mosaic_eager_captured_and_jm_agree(monkeypatch, m, s, v, r,
     return original(method, batch, vocab, rank, interpret=interpret)
 
   monkeypatch.setattr(tuning, "choose", choose)
-  monkeypatch.setenv("JAX_MARKOV_MOSAIC", "1")  # opt-in in the native runtime
+  monkeypatch.setenv("JAX_MARKOV_MOSAIC", "1")  # whatever the environment
   launched = []
   original_call = mbp.mosaic_block_pass
   monkeypatch.setattr(mbp, "mosaic_block_pass", lambda *a, **k: (

@@ -135,9 +135,10 @@ class FusedMarkovSampler:
         the Mosaic GPU block pass (Hopper; B = 256 at the DeepSeek-V4 shape;
         sampling the full vocabulary in bf16) run it (docs/torch_bridge.md).
         True (raises at the first draft on a GPU that cannot), False, or
-        None (default): $JAX_MARKOV_MOSAIC == "1". Off by default: with the
-        state-indexed cache it was 1.8x slower than the Triton block pass
-        on an H200 (docs/perf-notes.md change 34).
+        None (default): wherever the GPU can run it, unless
+        $JAX_MARKOV_MOSAIC == "0". At B = 256 it made the captured draft
+        0.69 ms against the Triton block pass's 0.82 on an H200
+        (docs/perf-notes.md change 36).
 
     The hook owns the scratch its draft uses (statistics, draw parameters,
     tokens): keep it alive as long as any CUDA graph captured with it may be

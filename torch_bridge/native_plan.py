@@ -151,20 +151,21 @@ def bucket_dependent_launch(shape: "DraftShape", bucket: int,
 
 def mosaic_allowed(capability: tuple[int, int],
                    asked: bool | None = None) -> bool:
-  """Whether plans may use the Mosaic GPU block pass: only where asked for
-  (``asked``, or with None $JAX_MARKOV_MOSAIC=1), on a Hopper GPU (sm_90:
-  WGMMA) with Pallas Mosaic GPU importable. Off by default: the native
-  runtime writes the cache by state row, one TMA store a row, which made
-  the DeepSeek-V4 draft at B = 256 1.8x slower than the Triton block pass
-  on the H200 (docs/perf-notes.md change 34). Raises ValueError where
-  asked for (argument) on a GPU or a JAX that cannot run it."""
+  """Whether plans may use the Mosaic GPU block pass (where the tuning table
+  picks it): on a Hopper GPU (sm_90: WGMMA) with Pallas Mosaic GPU
+  importable, unless turned off (``asked`` False, or with None
+  $JAX_MARKOV_MOSAIC=0). On by default since its state-row stores go one
+  warp store a row (docs/perf-notes.md change 36: the DeepSeek-V4 draft at
+  B = 256 0.69 ms against the Triton pass's 0.82 on an H200). Raises
+  ValueError where asked for (argument True) on a GPU or a JAX that cannot
+  run it."""
   supported = (tuple(capability) == (9, 0)
                and mosaic_module.plgpu is not None)
   if asked is None:
     env = os.environ.get("JAX_MARKOV_MOSAIC")
     if env not in (None, "0", "1"):
       raise ValueError(f"JAX_MARKOV_MOSAIC must be '0' or '1', got {env!r}")
-    return env == "1" and supported
+    return env != "0" and supported
   if asked and not supported:
     raise ValueError(
         "mosaic=True needs a Hopper GPU (compute capability 9.0) and Pallas "

@@ -66,6 +66,12 @@ try:  # Guarded: the module imports (and validates) without Mosaic GPU.
 except ImportError as e:  # pragma: no cover - depends on the jaxlib build
   pl = plgpu = None
   _IMPORT_ERROR = e
+try:  # The Mosaic GPU dialect helpers, for the warp row stores (inline_mgpu).
+  from jax.experimental.mosaic import gpu as mgpu
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
+except ImportError:  # pragma: no cover - depends on the jaxlib build
+  mgpu = ir = arith = llvm = vector = None
 
 # Rows of one WGMMA accumulator: a consumer warpgroup owns 64 requests.
 WG_ROWS = 64
@@ -75,6 +81,11 @@ TILE_K = 64
 # Columns of one cache staging tile: 64 float32 are two 128-byte rows.
 EPI_V = 64
 NUM_COMPUTE_WGS = 2
+# float32 words a row of the warp-store staging tile (row_stores="warp"):
+# 8 words of padding put the 8 rows of one WGMMA-layout store in different
+# banks (a 64-word pitch maps them all to the same 8).
+STAGE_PITCH = EPI_V + 8
+ROW_STORES = ("tma", "warp")
 # Dynamic shared memory per CTA on sm_90 (227 KiB), less a margin for the
 # barriers and Mosaic's own scratch.
 SMEM_LIMIT = 227 * 1024 - 2048
@@ -95,6 +106,7 @@ class Plan:
   num_k: int          # proj / embedding chunks of TILE_K columns
   stages: int         # proj chunks in flight (max_concurrent_steps)
   out_slots: int      # cache staging tiles per consumer
+  row_stores: str     # state rows: "tma" (one TMA a row) or "warp" (below)
   num_b_tiles: int
   num_v_tiles: int
   grid_v: int         # vocabulary workers
@@ -106,16 +118,19 @@ class Plan:
   @property
   def smem_bytes(self) -> int:
     return smem_bytes(self.block_b, self.cta_v, self.rank, self.block_v,
-                      self.stages, self.out_slots)
+                      self.stages, self.out_slots, self.row_stores)
 
 
 def smem_bytes(block_b: int, cta_v: int, rank: int, block_v: int, stages: int,
-               out_slots: int) -> int:
+               out_slots: int, row_stores: str = "tma") -> int:
   """Shared memory of one CTA, in bytes (barriers excluded)."""
   emb = block_b * rank * 2
   proj = stages * cta_v * TILE_K * 2
   base = 2 * block_b * cta_v * 2
-  out = NUM_COMPUTE_WGS * out_slots * WG_ROWS * EPI_V * 4
+  if row_stores == "warp":  # one padded staging tile and the rows
+    out = NUM_COMPUTE_WGS * WG_ROWS * (STAGE_PITCH + 1) * 4
+  else:
+    out = NUM_COMPUTE_WGS * out_slots * WG_ROWS * EPI_V * 4
   stats = 3 * NUM_COMPUTE_WGS * WG_ROWS * 4
   del block_v
   return emb + proj + base + out + stats
@@ -150,8 +165,16 @@ def _num_sms() -> int:
 
 def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
          block_b: int | None, block_v: int,
-         max_concurrent_steps: int | None, num_sms: int | None) -> Plan:
-  """Checks the shapes and picks the tiles; raises ValueError if unsupported."""
+         max_concurrent_steps: int | None, num_sms: int | None,
+         row_stores: str = "tma") -> Plan:
+  """Checks the shapes and picks the tiles; raises ValueError if unsupported.
+
+  row_stores ("tma" or "warp") is how state rows are stored; the dense
+  layout ignores it (one TMA box a tile).
+  """
+  if row_stores not in ROW_STORES:
+    raise ValueError(f"row_stores must be one of {ROW_STORES}, got "
+                     f"{row_stores!r}")
   if num_steps < 1:
     raise ValueError(f"num_steps must be >= 1, got {num_steps}")
   if len(base_shape) != 2 or base_shape[0] % num_steps:
@@ -184,19 +207,25 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
         f"V = {vocab} must be a multiple of {cta_v} (with block_b = 64 the "
         f"two consumer warpgroups take block_v = {block_v} columns each)")
   num_k = rank // TILE_K
+  # The warp row stores stage one tile per consumer (two barriers a tile
+  # order its reuse).
+  slot_choices = (1,) if row_stores == "warp" else (2, 1)
   if max_concurrent_steps is not None:
     if max_concurrent_steps < 2:
       raise ValueError("max_concurrent_steps (proj chunks in flight) must "
                        f"be >= 2, got {max_concurrent_steps}")
-    candidates = [(max_concurrent_steps, e) for e in (2, 1)]
+    candidates = [(max_concurrent_steps, e) for e in slot_choices]
   else:
     # Prefer up to two whole proj tiles in flight (a step's chunks all land
     # during the step before it), then double-buffered cache staging.
-    candidates = [(p, e) for p in range(2 * num_k, 1, -1) for e in (2, 1)]
+    candidates = [(p, e) for p in range(2 * num_k, 1, -1)
+                  for e in slot_choices]
   fitting = [(p, e) for p, e in candidates
-             if smem_bytes(block_b, cta_v, rank, block_v, p, e) <= SMEM_LIMIT]
+             if smem_bytes(block_b, cta_v, rank, block_v, p, e,
+                           row_stores) <= SMEM_LIMIT]
   if not fitting:
-    need = smem_bytes(block_b, cta_v, rank, block_v, candidates[-1][0], 1)
+    need = smem_bytes(block_b, cta_v, rank, block_v, candidates[-1][0], 1,
+                      row_stores)
     raise ValueError(
         f"block_b = {block_b}, block_v = {block_v}, R = {rank}, "
         f"max_concurrent_steps = {candidates[-1][0]} need {need} bytes of "
@@ -209,6 +238,7 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
   return Plan(batch=batch, steps=num_steps, vocab=vocab, rank=rank,
               block_b=block_b, block_v=block_v, cta_v=cta_v, split_v=split_v,
               num_k=num_k, stages=stages, out_slots=out_slots,
+              row_stores=row_stores,
               num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
 
 
@@ -216,6 +246,70 @@ def _swizzled(dtype):
   """Tiling + 128-byte swizzle: the layout TMA writes and WGMMA reads."""
   elems = 128 // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128))
+
+
+def _store_rows_by_warp(x, row_i, col_i, stage, rows, cache, *, vocab: int):
+  """cache[rows[i], j] = x[i, j] for the 64 rows of one [64, EPI_V] tile.
+
+  x float32, row_i and col_i int32 (its row and column indices), all
+  [64, EPI_V] in the WGMMA layout; stage the consumer's float32
+  [64, STAGE_PITCH] staging tile; rows its int32 [64] cache rows (< 0:
+  padding, not stored) in shared memory; cache the [N, EPI_V] column window
+  of the [N, vocab] cache this tile goes to.
+
+  Why: a state-indexed cache scatters a request tile's rows. One TMA a
+  256-byte row costs more than the step (docs/perf-notes.md change 34), and
+  stores straight from the WGMMA registers cover 8 rows a warp instruction
+  (change 35). Here the tile goes through shared memory once, so that each
+  warp store is one whole row: lane l writes columns 2l and 2l + 1.
+  """
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout, layout, layout, plgpu.RefType(),
+                                plgpu.RefType(), plgpu.RefType()))
+  def store(ctx, x, row_i, col_i, stage, rows, cache):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    i64 = ir.IntegerType.get_signless(64)
+    f32 = ir.F32Type.get()
+    pair = ir.VectorType.get((2,), f32)
+    c = lambda v, t=i32: arith.constant(t, v)
+    first = ir.DenseI64ArrayAttr.get([0])
+    stage_ptr = mgpu.utils.memref_ptr(stage)
+    rows_ptr = mgpu.utils.memref_ptr(rows)
+    cache_ptr = llvm.addrspacecast(llvm.PointerType.get(1),
+                                   mgpu.utils.memref_ptr(cache))
+    # Registers to the staging tile, each at its (row, column).
+    for xr, rr, cr in zip(x.registers.flat, row_i.registers.flat,
+                          col_i.registers.flat, strict=True):
+      r = vector.extract(rr, dynamic_position=[], static_position=first)
+      j = vector.extract(cr, dynamic_position=[], static_position=first)
+      off = arith.addi(arith.muli(r, c(STAGE_PITCH)), j)
+      llvm.store(xr, mgpu.utils.getelementptr(stage_ptr, [off], f32),
+                 alignment=8)
+    # Every thread's pairs are in the tile before any warp reads a row.
+    mgpu.utils.warpgroup_barrier()
+    tid = mgpu.utils.thread_idx()
+    lane = arith.andi(tid, c(31))
+    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+    col = arith.muli(lane, c(2))
+    col64 = arith.extui(i64, col)
+    stride = c(vocab, i64)
+    zero = c(0)
+    for k in range(WG_ROWS // 4):
+      r = arith.addi(warp, c(4 * k))
+      v = llvm.load(pair, mgpu.utils.getelementptr(
+          stage_ptr, [arith.addi(arith.muli(r, c(STAGE_PITCH)), col)], f32))
+      row = llvm.load(i32, mgpu.utils.getelementptr(rows_ptr, [r], i32))
+      with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.sge, row, zero)):
+        # int64: N * V can pass 2**31 (M = 2048, S = 8 at V = 129280).
+        off = arith.addi(arith.muli(arith.extsi(i64, row), stride), col64)
+        llvm.store(v, mgpu.utils.getelementptr(cache_ptr, [off], f32),
+                   alignment=8)
+    # Every warp has read the tile before the next one is staged.
+    mgpu.utils.warpgroup_barrier()
+
+  store(x, row_i, col_i, stage, rows, cache)
 
 
 def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
@@ -248,8 +342,10 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
   def tile_v0(t):
     return (worker + t * grid_v) * cta_v
 
-  def body(emb_smem, proj_smem, base_smem, out_smem, max_smem, sum_smem,
-           arg_smem, emb_bar, proj_bar, base_bar, proj_free, base_free):
+  warp_rows = rows_gmem is not None and p.row_stores == "warp"
+
+  def body(emb_smem, proj_smem, base_smem, out_smem, rows_smem, max_smem,
+           sum_smem, arg_smem, emb_bar, proj_bar, base_bar, proj_free, base_free):
     # Every waiter waits on every phase of the barriers it uses (Mosaic keeps
     # one parity bit per barrier per thread): consumers on each proj chunk
     # and base tile, the producer on each release of a slot it refills.
@@ -297,7 +393,15 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       scale = plgpu.load(params_gmem.at[0, pl.ds(r0, WG_ROWS), step], (),
                          layout=row_layout, optimized=False)
-      if rows_gmem is not None:
+      if warp_rows:
+        # The same rows for every tile: read once (the first tile's barrier
+        # orders this store before the reads).
+        rows_smem[wg] = plgpu.load(rows_gmem.at[pl.ds(r0, WG_ROWS), step],
+                                   (), layout=row_layout, optimized=False)
+        epi_rows, epi_cols = (
+            plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, EPI_V), d,
+                                   layout=plgpu.Layout.WGMMA) for d in (0, 1))
+      elif rows_gmem is not None:
         # The same rows for every tile: read once.
         row_of = [rows_gmem[r0 + i, step] for i in range(WG_ROWS)]
       scale_tile = lax.broadcast_in_dim(scale, (WG_ROWS, block_v), [0])
@@ -344,6 +448,13 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
         # The cache holds pre-temperature logits. Its stores are issued
         # before the statistics so the TMA runs under their arithmetic.
         for e in range(n_epi):
+          if warp_rows:
+            _store_rows_by_warp(
+                plgpu.layout_cast(x[:, e * EPI_V:(e + 1) * EPI_V],
+                                  plgpu.Layout.WGMMA),
+                epi_rows, epi_cols, out_smem.at[wg], rows_smem.at[wg],
+                cache_gmem.at[:, pl.ds(v0 + e * EPI_V, EPI_V)], vocab=p.vocab)
+            continue
           if out_slots == 1:
             o = 0
           else:
@@ -381,8 +492,9 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
             y - lax.broadcast_in_dim(finite, y.shape, [0])).sum(axis=1)
 
         # The previous tile's statistics group (issued before this tile's
-        # n_epi cache groups) has been read.
-        plgpu.wait_smem_to_gmem(n_epi, wait_read_only=True)
+        # n_epi cache groups, if TMA stored them) has been read.
+        plgpu.wait_smem_to_gmem(0 if warp_rows else n_epi,
+                                wait_read_only=True)
         max_smem[wg] = y_max
         sum_smem[wg] = y_sum
         arg_smem[wg] = first + v0
@@ -404,8 +516,13 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       plgpu.SMEM((stages, cta_v, TILE_K), bf16, transforms=_swizzled(bf16)),
       plgpu.SMEM((2, block_b, cta_v), bf16, transforms=_swizzled(bf16)),
       # Row stores need single-row slices: no tiling in the state-row layout.
-      plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, EPI_V), f32,
-                 transforms=_swizzled(f32) if rows_gmem is None else ()),
+      (plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, STAGE_PITCH), f32) if warp_rows
+       else plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, EPI_V), f32,
+                       transforms=(_swizzled(f32) if rows_gmem is None
+                                   else ()))),
+      # Each consumer's cache rows (warp row stores; else a placeholder).
+      plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS) if warp_rows else (1,),
+                 jnp.int32),
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.int32),
@@ -443,7 +560,7 @@ def _check_operands(base, emb, proj, params, step, cache, cache_rows,
 @functools.partial(
     jax.jit,
     static_argnames=("num_steps", "num_cache_rows", "block_b", "block_v",
-                     "max_concurrent_steps", "num_sms"),
+                     "max_concurrent_steps", "num_sms", "row_stores"),
     donate_argnames=("cache",))
 def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       params: jax.Array, step: jax.Array,
@@ -452,7 +569,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       num_steps: int, num_cache_rows: int | None = None,
                       block_b: int | None = None, block_v: int = 128,
                       max_concurrent_steps: int | None = None,
-                      num_sms: int | None = None):
+                      num_sms: int | None = None,
+                      row_stores: str = "warp"):
   """Runs one step of the fused block pass on Hopper (Mosaic GPU).
 
   Draw (b, s) is row ``b * S + s`` of base and of the per-draw arrays; this
@@ -483,6 +601,10 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     max_concurrent_steps: proj chunks ([cta_v, 64] bf16) in flight (static,
       >= 2); None: the most that fit in shared memory, up to two tiles.
     num_sms: CTAs to aim for (static); None: the GPU's SM count, or 132.
+    row_stores: how state rows are stored (static; the dense layout always
+      stores a TMA box a [64, 64] tile): "warp" (default), through a padded
+      shared-memory tile, one warp store a 256-byte row; "tma", one TMA
+      store a row (slow: kept to check the other against).
 
   Returns:
     (cache, block_max, block_sum, block_argmax): the cache; per block of
@@ -505,7 +627,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
   """
   p = plan(base.shape, emb.shape, proj.shape, num_steps=num_steps,
            block_b=block_b, block_v=block_v,
-           max_concurrent_steps=max_concurrent_steps, num_sms=num_sms)
+           max_concurrent_steps=max_concurrent_steps, num_sms=num_sms,
+           row_stores=row_stores)
   B, S, V = p.batch, p.steps, p.vocab
   if num_cache_rows is None:
     num_cache_rows = B * S
