@@ -110,9 +110,14 @@ FAMILIES = {
     # block pass), to set the table's Mosaic GPU choice beside it in one run.
     "jax_markov_fused": "jax",
     # Not in the defaults: the captured hook with mosaic=True (the Mosaic GPU
-    # block pass where the table has it; Hopper only).
+    # block pass where the table has it; Hopper only) and with mosaic=False
+    # (the Triton block pass everywhere), for A/B rows in one run.
     "torch_bridge_mosaic_graph": "bridge",
+    "torch_bridge_triton_graph": "bridge",
 }
+# The hook's mosaic argument for those rows (the others: its default).
+BRIDGE_MOSAIC = {"torch_bridge_mosaic_graph": True,
+                 "torch_bridge_triton_graph": False}
 IMPLS = ("jax_markov", "torch_bridge", "torch_bridge_graph", "seed_design",
          "seed_design_graph", "f32_bias_design", "f32_bias_design_graph",
          "vllm_loop", "vllm_loop_graph", "plain_jax", "jax_markov_greedy",
@@ -120,7 +125,8 @@ IMPLS = ("jax_markov", "torch_bridge", "torch_bridge_graph", "seed_design",
 # torch_bridge_greedy (eager) is not in the defaults: the CPU tests' path to
 # the greedy hook (a CUDA graph needs a GPU).
 ALL_IMPLS = IMPLS + ("torch_bridge_greedy", "jax_markov_xla_bias",
-                     "jax_markov_fused", "torch_bridge_mosaic_graph")
+                     "jax_markov_fused", "torch_bridge_mosaic_graph",
+                     "torch_bridge_triton_graph")
 # Tokens only (no cache): timed once, at temperature 0, in their own table.
 GREEDY_IMPLS = ("jax_markov_greedy", "torch_bridge_greedy",
                 "torch_bridge_greedy_graph")

@@ -64,6 +64,9 @@ DESCRIPTIONS = {
     "torch_bridge_mosaic_graph": "the hook with `mosaic=True` (the Mosaic "
                                  "GPU block pass where the table has it), "
                                  "captured in a CUDA graph",
+    "torch_bridge_triton_graph": "the hook with `mosaic=False` (the Triton "
+                                 "block pass at every batch), captured in a "
+                                 "CUDA graph",
     "jax_markov_greedy": "`jm.greedy_draft`: greedy drafting, tokens only "
                          "(no cache)",
     "torch_bridge_greedy": "the hook in greedy mode (`spec.draft_logits = "

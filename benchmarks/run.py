@@ -22,8 +22,9 @@ backbone forward is not timed) for each implementation:
 
 Not in the defaults, for A/B rows in one run: jax_markov_xla_bias
 (method="xla_bias"), jax_markov_fused (method="fused": the Triton block pass
-where the table picks Mosaic GPU) and torch_bridge_mosaic_graph (the captured
-hook with mosaic=True: the Mosaic GPU block pass, Hopper only).
+where the table picks Mosaic GPU), torch_bridge_mosaic_graph (the captured
+hook with mosaic=True: the Mosaic GPU block pass, Hopper only) and
+torch_bridge_triton_graph (mosaic=False: the Triton block pass everywhere).
 
 Greedy drafting (tokens only, no cache; timed once, at temperature 0, and by
 default only on dsv4 and dsv4r):
@@ -80,8 +81,9 @@ import time
 import traceback
 
 from benchmarks import common
-from benchmarks.common import (ALL_IMPLS, FAMILIES, FAMILY_ORDER,
-                               GREEDY_IMPLS, IMPLS, SHAPES, Progress)
+from benchmarks.common import (ALL_IMPLS, BRIDGE_MOSAIC, FAMILIES,
+                               FAMILY_ORDER, GREEDY_IMPLS, IMPLS, SHAPES,
+                               Progress)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Without a GPU (interpret-mode Pallas, eager torch on CPU) larger shapes
@@ -108,8 +110,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--impls", default=None,
                  help="comma-separated of " + ",".join(ALL_IMPLS) +
                  " (default: all but jax_markov_xla_bias, "
-                 "jax_markov_fused, torch_bridge_mosaic_graph and "
-                 "torch_bridge_greedy; the greedy ones only on " +
+                 "jax_markov_fused, torch_bridge_mosaic_graph, "
+                 "torch_bridge_triton_graph and torch_bridge_greedy; the greedy ones only on " +
                  ",".join(common.GREEDY_DEFAULT_SHAPES) + " unless named)")
   p.add_argument("--repeats", type=int, default=None,
                  help="timed calls per point (default 100; 10 with --quick)")
@@ -977,7 +979,7 @@ class _BridgeFamily(_TorchFamily):
       try:
         return self._prepare_bridge(
             shape, batch, temperature, seeds, positions, graph, greedy,
-            mosaic=impl == "torch_bridge_mosaic_graph")
+            mosaic=BRIDGE_MOSAIC.get(impl))
       except _Skip:
         raise
       except Exception as e:  # noqa: BLE001 -- fall back, say why
@@ -993,11 +995,11 @@ class _BridgeFamily(_TorchFamily):
         self.progress)
     return self._prepare_dlpack(shape, batch, temperature, seeds, positions)
 
-  def _make_sampler(self, shape, batch, dtype, mosaic=False):
-    """The hook with the default runtime (and mosaic=True when asked); its
-    constructor before the runtime argument existed is accepted too (then
-    the row says so)."""
-    extra = dict(mosaic=True) if mosaic else {}
+  def _make_sampler(self, shape, batch, dtype, mosaic=None):
+    """The hook with the default runtime (and its mosaic argument when not
+    None); its constructor before the runtime argument existed is accepted
+    too (then the row says so)."""
+    extra = {} if mosaic is None else dict(mosaic=mosaic)
     try:
       return self.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
                                      dtype, runtime=None, check_values=False,
@@ -1009,7 +1011,7 @@ class _BridgeFamily(_TorchFamily):
                                      dtype, check_values=False)
 
   def _prepare_bridge(self, shape, batch, temperature, seeds, positions,
-                      graph, greedy=False, mosaic=False):
+                      graph, greedy=False, mosaic=None):
     torch = self.torch
     dtype = getattr(torch, shape.dtype)
     # A reduced vocabulary: the double in vLLM's d2t mode over the synthetic

@@ -35,9 +35,15 @@ Kernel layout (all static, chosen by :func:`plan`):
 * shared memory: the [block_b, R] embedding tile (loaded once), a ring of
   ``max_concurrent_steps`` proj chunks [cta_v, 64] (R is walked in chunks of
   64 columns: one 128-byte swizzle row of bf16), a ring of 2 base tiles
-  [block_b, cta_v], per consumer ``out_slots`` float32 [64, 64] staging tiles
-  for the cache stores (unswizzled with state rows, whose stores take one
-  row each) and one [64] row of each statistic.
+  [block_b, cta_v], per consumer the cache staging (below) and one [64] row
+  of each statistic.
+* cache stores: dense, ``out_slots`` swizzled float32 [64, 64] staging tiles
+  a consumer, one TMA box a tile. State rows (vLLM's state-indexed cache,
+  whose rows TMA cannot scatter): with ``row_stores="warp"`` (the default)
+  one padded [64, 72] tile a consumer, each warp then storing whole
+  256-byte rows (:func:`_store_rows_by_warp`); with ``"tma"`` unswizzled
+  [64, 64] tiles and one TMA a row (slow; the reference the other is
+  checked against bit for bit).
 * 1 / T is read per draw from row 0 of the [3, B * S] draw parameters (a
   strided load of 64 values per consumer, once per CTA).
 * the statistics leave the kernel vocabulary-block-major, [NB, B]: a TMA
