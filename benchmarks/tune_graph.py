@@ -13,6 +13,12 @@ CUDA events (median of groups of back-to-back replays). The tokens of every
 candidate are checked equal to the first's at T = 0 (the draws do not depend on
 the tile). Winners go into jax_markov/kernels/tuning.py's TABLE by hand; the
 JAX path then runs them too.
+
+``--grid mosaic`` sweeps the Mosaic GPU block pass (Hopper) the same way,
+through the table's "mosaic" entry for the bucket (which the native runtime
+then picks where the batch fills its request tiles); the Triton grids run
+with the hook's ``mosaic=False``, so that a bucket the table gives to Mosaic
+GPU (B = 256) times the Triton candidate and not the table's Mosaic entry.
 """
 
 from __future__ import annotations
@@ -54,6 +60,29 @@ def candidates(batch: int):
                        block_v=bv, block_k=bk, num_warps=w, num_stages=st)
 
 
+def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """Mosaic GPU block-pass tiles that run at this shape: 128- or 64-request
+  tiles dividing B, 64- or 128-column statistics blocks, the proj chunks in
+  flight as many as fit (num_stages 0) or 4; what does not fit in shared
+  memory (mosaic_block_pass.plan) is left out."""
+  from jax_markov.kernels import mosaic_block_pass as mbp
+  for bb in (128, 64):
+    if batch % bb:
+      continue
+    for bv in (64, 128):
+      for stages in (0, 4):
+        try:
+          # The native runtime's layout: state rows, stored by warp.
+          mbp.plan((batch, vocab), (batch, rank), (vocab, rank),
+                   num_steps=1, block_b=bb, block_v=bv,
+                   max_concurrent_steps=stages or None, num_sms=132,
+                   row_stores="warp")
+        except ValueError:
+          continue
+        yield KernelConfig(method="mosaic", block_b=bb, block_v=bv,
+                           num_stages=stages)
+
+
 def persistent_candidates(batch: int):
   """The persistent draft (one launch a draft) on 16-row tiles on the tensor
   cores (Triton stages their proj chunks through shared memory, so
@@ -76,10 +105,11 @@ def persistent_candidates(batch: int):
                        num_stages=stages, held_blocks=held)
 
 
-def captured_draft(shape, batch, inputs, temperature, dependent_launch=None):
+def captured_draft(shape, batch, inputs, temperature, dependent_launch=None,
+                   mosaic=None):
   """A native-runtime hook's draft on the synthetic inputs, captured.
 
-  dependent_launch: the hook's option (None: its default).
+  dependent_launch, mosaic: the hook's options (None: its default).
 
   Returns:
     (graph, spec, hook): the torch CUDA graph of one hook call (all
@@ -97,7 +127,8 @@ def captured_draft(shape, batch, inputs, temperature, dependent_launch=None):
   hook = tb.FusedMarkovSampler(batch, shape.draft_vocab, shape.R,
                                getattr(torch, shape.dtype), runtime="native",
                                buckets=(batch,), check_values=False,
-                               dependent_launch=dependent_launch)
+                               dependent_launch=dependent_launch,
+                               mosaic=mosaic)
   hook.warmup(spec)
   graph = capture_graph(lambda: hook(spec, batch, spec.head_hidden))
   return graph, spec, hook
@@ -108,13 +139,15 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
   """Median ms of one captured draft with ``cfg`` in the table, and tokens."""
   # The block pass's grid: sampling walks the V target columns, with a
   # reduced vocabulary too.
-  key = ("fused", shape.V, shape.R, tuning._batch_bucket(batch))  # noqa: SLF001
+  key = (cfg.method, shape.V, shape.R,
+         tuning._batch_bucket(batch))  # noqa: SLF001
+  mosaic = cfg.method == "mosaic"
   old = tuning.TABLE.get(key)
   tuning.TABLE[key] = cfg
   tuning.choose.cache_clear()
   try:
     graph, spec, _ = captured_draft(shape, batch, inputs, temperature,
-                                    dependent_launch)
+                                    dependent_launch, mosaic)
     for _ in range(5):
       graph.replay()
     times = []
@@ -145,10 +178,11 @@ def main(argv=None):
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
-                 choices=("tiles", "persistent", "table"),
+                 choices=("tiles", "persistent", "mosaic", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "persistent: the one-launch draft (persistent_candidates); "
-                 "table: the table's entry only")
+                 "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
+                 "Hopper); table: the table's fused entry only")
   p.add_argument("--dependent-launch", default="auto",
                  choices=("auto", "on", "off", "both"),
                  help="the hook's dependent_launch (auto: its default, on "
@@ -162,10 +196,11 @@ def main(argv=None):
   rows = []
   for batch in args.batches:
     inputs = common.torch_inputs(shape, batch, 0, torch.device("cuda"))
-    default = tuning.choose("fused", batch, shape.V, shape.R,
-                            interpret=False)
+    default = tuning.choose("mosaic" if args.grid == "mosaic" else "fused",
+                            batch, shape.V, shape.R, interpret=False)
     seen, ref_tokens = [], None
     grid = dict(tiles=candidates, persistent=persistent_candidates,
+                mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]

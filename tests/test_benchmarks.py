@@ -386,6 +386,13 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert all(c.select in ("pass", "tail") for c in cfgs)
     assert all(c.block_b <= max(16, batch) for c in cfgs)
     assert any(c.bias_dot == "fma" for c in cfgs) == (batch <= 16)
+  # Mosaic GPU tiles: only those that divide B and fit in shared memory.
+  for batch, sizes in ((64, {64}), (128, {64, 128}), (256, {64, 128})):
+    cfgs = list(tune_graph.mosaic_candidates(batch))
+    assert len(cfgs) == len(set(cfgs)) >= 2
+    assert {c.block_b for c in cfgs} == sizes
+    assert all(c.method == "mosaic" and batch % c.block_b == 0 for c in cfgs)
+  assert not list(tune_graph.mosaic_candidates(32))
   if not torch.cuda.is_available():
     assert tune_graph.main(["--batches", "4"]) == 2
 

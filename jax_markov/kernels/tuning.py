@@ -72,8 +72,9 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
         num_stages=3),
     # The Mosaic GPU block pass (Hopper), picked by choose(hopper=True) for
     # batches it divides into request tiles: one step alone on an H200,
-    # B = 256: 98.8 us against the Triton entry's 120 us; the JAX draft
-    # 0.705 against 0.859 ms (docs/perf-notes.md change 34).
+    # B = 256: 93-99 us against the Triton entry's 120 us; the JAX draft
+    # 0.705 against 0.859 ms back to back (docs/perf-notes.md change 34),
+    # the captured native draft 0.686 against 0.820 (change 36).
     ("mosaic", 129280, 256, 256): KernelConfig(
         method="mosaic", block_b=128, block_v=64, num_stages=8),
     ("xla_bias", 129280, 256, 1): KernelConfig(
