@@ -18,6 +18,11 @@ DeepSeek-V4 shape, bf16):
 State rows (not _id) are a random permutation of the N = B slots, as a
 serving engine's request slots can be. Statistics only: the select pass is
 not run.
+
+``--omit`` times the Mosaic GPU variants with stages left out ("mma",
+"cache", "stats"; outputs then wrong), so that the differences place the
+step's time without hardware counters (H200.md's advice where ncu cannot
+read them).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def _inputs(B, S, V, R, seed=0):
               rows=jnp.asarray(rows.reshape(-1), jnp.int32))
 
 
-def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg):
+def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg, omit=()):
   """A jitted (inputs, cache, reps) -> cache running the step reps times."""
   def one(x, cache, s):
     step = jnp.reshape(s % S, (1,)).astype(jnp.int32)
@@ -70,7 +75,8 @@ def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg):
         num_steps=S, block_b=mosaic_cfg.block_b, block_v=mosaic_cfg.block_v,
         max_concurrent_steps=(mosaic_cfg.num_stages
                               if mosaic_cfg.num_stages >= 2 else None),
-        row_stores="tma" if variant.endswith("_tma") else "warp")
+        row_stores="tma" if variant.endswith("_tma") else "warp",
+        _omit=tuple(omit))
     return out[0]
 
   def loop(x, cache, reps):
@@ -79,12 +85,14 @@ def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg):
   return jax.jit(loop, static_argnums=2, donate_argnums=1)
 
 
-def time_variant(variant, B, *, S=7, V=129280, R=256, reps=50, repeats=5):
+def time_variant(variant, B, *, S=7, V=129280, R=256, reps=50, repeats=5,
+                 omit=()):
   x = _inputs(B, S, V, R)
+  omit = () if variant.startswith("triton") else tuple(omit)
   mosaic_cfg = tuning.choose("mosaic", B, V, R, interpret=False)
   triton_cfg = tuning.choose("fused", B, V, R, interpret=False)
   fn = step_fn(variant, B, S, V, R, mosaic_cfg=mosaic_cfg,
-               triton_cfg=triton_cfg)
+               triton_cfg=triton_cfg, omit=omit)
   cache = jnp.zeros((B * S, V), jnp.float32)
   cache = fn(x, cache, reps).block_until_ready()  # compile + warm
   times = []
@@ -94,7 +102,7 @@ def time_variant(variant, B, *, S=7, V=129280, R=256, reps=50, repeats=5):
     times.append((time.perf_counter() - t0) / reps * 1e6)
   cfg = triton_cfg if variant.startswith("triton") else mosaic_cfg
   return dict(variant=variant, batch=B, us_per_step=float(np.median(times)),
-              us_min=float(np.min(times)), config=str(cfg))
+              us_min=float(np.min(times)), config=str(cfg), omit=list(omit))
 
 
 def main(argv=None):
@@ -103,6 +111,8 @@ def main(argv=None):
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
                   choices=VARIANTS)
   ap.add_argument("--reps", type=int, default=50)
+  ap.add_argument("--omit", nargs="*", default=[], choices=mbp.OMITTABLE,
+                  help="Mosaic GPU variants only: stages to leave out")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   ok, why = mbp.available()
@@ -113,7 +123,7 @@ def main(argv=None):
   for B in args.batches:
     for v in args.variants:
       try:
-        r = time_variant(v, B, reps=args.reps)
+        r = time_variant(v, B, reps=args.reps, omit=args.omit)
       except Exception as e:  # pylint: disable=broad-except
         r = dict(variant=v, batch=B, error=f"{type(e).__name__}: {e}"[:300])
       print(json.dumps(r), flush=True)

@@ -68,6 +68,26 @@ def test_lowers_to_one_mosaic_gpu_call(B, V, R, S, kw):
   assert "tf.aliasing_output = 0" in text  # the jit donates the cache
 
 
+@pytest.mark.parametrize("rows", [False, True])
+def test_stages_left_out_for_timing_lower(rows):
+  """_omit (benchmarks/block_step.py --omit) lowers with each stage left
+  out, and refuses a stage it does not know."""
+  B, V, R, S, N = 128, 1024, 128, 3, 500
+  specs = _specs(B, V, R, S)
+  kw = {}
+  if rows:
+    specs = specs[:5] + [spec((N, V), jnp.float32), spec((B * S,), jnp.int32)]
+    kw = dict(num_cache_rows=N)
+  for omit in (("mma",), ("cache",), ("stats",), mbp.OMITTABLE):
+    text = mbp.mosaic_block_pass.trace(
+        *specs, num_steps=S, num_sms=132, _omit=omit, **kw).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  with pytest.raises(ValueError, match="omit must be a subset"):
+    mbp.mosaic_block_pass.trace(*specs, num_steps=S, num_sms=132,
+                                _omit=("select",), **kw)
+
+
 def test_output_shapes():
   B, V, R, S = 64, DSV4["V"], DSV4["R"], DSV4["S"]
   for block_v in (64, 128):

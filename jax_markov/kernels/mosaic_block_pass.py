@@ -92,6 +92,10 @@ NUM_COMPUTE_WGS = 2
 # banks (a 64-word pitch maps them all to the same 8).
 STAGE_PITCH = EPI_V + 8
 ROW_STORES = ("tma", "warp")
+# Stages a measurement may leave out (``_omit``; benchmarks/block_step.py
+# --omit): the WGMMA, the cache stores, the statistics. A kernel without one
+# computes wrong outputs; it exists to time the rest.
+OMITTABLE = ("mma", "cache", "stats")
 # Dynamic shared memory per CTA on sm_90 (227 KiB), less a margin for the
 # barriers and Mosaic's own scratch.
 SMEM_LIMIT = 227 * 1024 - 2048
@@ -116,6 +120,7 @@ class Plan:
   num_b_tiles: int
   num_v_tiles: int
   grid_v: int         # vocabulary workers
+  omit: tuple = ()    # stages left out, to time the others (OMITTABLE)
 
   @property
   def num_blocks(self) -> int:
@@ -172,12 +177,14 @@ def _num_sms() -> int:
 def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
          block_b: int | None, block_v: int,
          max_concurrent_steps: int | None, num_sms: int | None,
-         row_stores: str = "tma") -> Plan:
+         row_stores: str = "tma", omit: tuple = ()) -> Plan:
   """Checks the shapes and picks the tiles; raises ValueError if unsupported.
 
   row_stores ("tma" or "warp") is how state rows are stored; the dense
   layout ignores it (one TMA box a tile).
   """
+  if not set(omit) <= set(OMITTABLE):
+    raise ValueError(f"omit must be a subset of {OMITTABLE}, got {omit!r}")
   if row_stores not in ROW_STORES:
     raise ValueError(f"row_stores must be one of {ROW_STORES}, got "
                      f"{row_stores!r}")
@@ -244,7 +251,7 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
   return Plan(batch=batch, steps=num_steps, vocab=vocab, rank=rank,
               block_b=block_b, block_v=block_v, cta_v=cta_v, split_v=split_v,
               num_k=num_k, stages=stages, out_slots=out_slots,
-              row_stores=row_stores,
+              row_stores=row_stores, omit=tuple(omit),
               num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
 
 
@@ -427,10 +434,12 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
             ps = lax.rem(t * num_k + k, stages)
             plgpu.barrier_wait(proj_bar.at[ps])
             # emb [64, 64] @ proj chunk^T: proj rows are vocabulary-major.
-            plgpu.wgmma(acc_ref,
-                        emb_smem.at[k, pl.ds(row_off, WG_ROWS)],
-                        plgpu.transpose_ref(
-                            proj_smem.at[ps, pl.ds(col_off, block_v)], (1, 0)))
+            if "mma" not in p.omit:
+              plgpu.wgmma(acc_ref,
+                          emb_smem.at[k, pl.ds(row_off, WG_ROWS)],
+                          plgpu.transpose_ref(
+                              proj_smem.at[ps, pl.ds(col_off, block_v)],
+                              (1, 0)))
             if prev is not None:
               # The chunk before has been read by the tensor cores once at
               # most one WGMMA is in flight: hand its slot back.
@@ -453,7 +462,7 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
 
         # The cache holds pre-temperature logits. Its stores are issued
         # before the statistics so the TMA runs under their arithmetic.
-        for e in range(n_epi):
+        for e in range(0 if "cache" in p.omit else n_epi):
           if warp_rows:
             _store_rows_by_warp(
                 plgpu.layout_cast(x[:, e * EPI_V:(e + 1) * EPI_V],
@@ -487,6 +496,8 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
             # One bulk group per staging tile, as in the dense layout.
             plgpu.commit_smem_to_gmem_group()
 
+        if "stats" in p.omit:
+          return
         # block_statistics: NaN counts as -inf; the first max column wins.
         y = jnp.where(x == x, x, -jnp.inf) * scale_tile
         y_max = y.max(axis=1)
@@ -499,8 +510,9 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
 
         # The previous tile's statistics group (issued before this tile's
         # n_epi cache groups, if TMA stored them) has been read.
-        plgpu.wait_smem_to_gmem(0 if warp_rows else n_epi,
-                                wait_read_only=True)
+        plgpu.wait_smem_to_gmem(
+            0 if warp_rows or "cache" in p.omit else n_epi,
+            wait_read_only=True)
         max_smem[wg] = y_max
         sum_smem[wg] = y_sum
         arg_smem[wg] = first + v0
@@ -566,7 +578,8 @@ def _check_operands(base, emb, proj, params, step, cache, cache_rows,
 @functools.partial(
     jax.jit,
     static_argnames=("num_steps", "num_cache_rows", "block_b", "block_v",
-                     "max_concurrent_steps", "num_sms", "row_stores"),
+                     "max_concurrent_steps", "num_sms", "row_stores",
+                     "_omit"),
     donate_argnames=("cache",))
 def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       params: jax.Array, step: jax.Array,
@@ -576,7 +589,7 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       block_b: int | None = None, block_v: int = 128,
                       max_concurrent_steps: int | None = None,
                       num_sms: int | None = None,
-                      row_stores: str = "warp"):
+                      row_stores: str = "warp", _omit: tuple = ()):
   """Runs one step of the fused block pass on Hopper (Mosaic GPU).
 
   Draw (b, s) is row ``b * S + s`` of base and of the per-draw arrays; this
@@ -611,6 +624,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       stores a TMA box a [64, 64] tile): "warp" (default), through a padded
       shared-memory tile, one warp store a 256-byte row; "tma", one TMA
       store a row (slow: kept to check the other against).
+    _omit: stages to leave out, for timing the rest only (a subset of
+      OMITTABLE; the outputs are then wrong): "mma", "cache", "stats".
 
   Returns:
     (cache, block_max, block_sum, block_argmax): the cache; per block of
@@ -634,7 +649,7 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
   p = plan(base.shape, emb.shape, proj.shape, num_steps=num_steps,
            block_b=block_b, block_v=block_v,
            max_concurrent_steps=max_concurrent_steps, num_sms=num_sms,
-           row_stores=row_stores)
+           row_stores=row_stores, omit=_omit)
   B, S, V = p.batch, p.steps, p.vocab
   if num_cache_rows is None:
     num_cache_rows = B * S
