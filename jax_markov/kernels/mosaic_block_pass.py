@@ -265,7 +265,9 @@ def _store_rows_by_warp(x, row_i, col_i, stage, rows, cache, *, vocab: int):
   """cache[rows[i], j] = x[i, j] for the 64 rows of one [64, EPI_V] tile.
 
   x float32, row_i and col_i int32 (its row and column indices), all
-  [64, EPI_V] in the WGMMA layout; stage the consumer's float32
+  [64, EPI_V] in the WGMMA layout (each register of x is 2 consecutive
+  columns of one row; the matching registers of row_i and col_i hold that
+  row and its first column); stage the consumer's float32
   [64, STAGE_PITCH] staging tile; rows its int32 [64] cache rows (< 0:
   padding, not stored) in shared memory; cache the [N, EPI_V] column window
   of the [N, vocab] cache this tile goes to.
