@@ -28,6 +28,7 @@ read them).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -57,9 +58,17 @@ def _inputs(B, S, V, R, seed=0):
               rows=jnp.asarray(rows.reshape(-1), jnp.int32))
 
 
-def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg, omit=()):
-  """A jitted (inputs, cache, reps) -> cache running the step reps times."""
-  def one(x, cache, s):
+def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg, omit=(),
+            base_slots=2, multicast=False, num_sms=None):
+  """A jitted (inputs, cache, reps) -> (cache, statistics...) running the
+  step reps times.
+
+  The loop carries the cache and the last step's statistics: both are
+  outputs, so that no stage's results are dead code (a kernel whose cache
+  stores are omitted would otherwise be removed whole).
+  """
+  def one(x, carry, s):
+    cache = carry[0]
     step = jnp.reshape(s % S, (1,)).astype(jnp.int32)
     if variant.startswith("triton"):
       rows = dict(triton_rows=x["rows"],
@@ -67,7 +76,7 @@ def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg, omit=()):
       out = bp.block_pass(x["base"], (x["embed"], x["proj"], x["anchors"]),
                           step, x["params"], rows, cache, config=triton_cfg,
                           num_steps=S, num_cache_rows=B * S)
-      return out[0]
+      return out
     rows = dict(mosaic_rows=x["rows"], mosaic_rows_id=x["rows_id"]).get(
         variant.removesuffix("_tma"))
     out = mbp.mosaic_block_pass(
@@ -76,33 +85,42 @@ def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg, omit=()):
         max_concurrent_steps=(mosaic_cfg.num_stages
                               if mosaic_cfg.num_stages >= 2 else None),
         row_stores="tma" if variant.endswith("_tma") else "warp",
-        _omit=tuple(omit))
-    return out[0]
+        _omit=tuple(omit), _base_slots=base_slots, _multicast=multicast,
+        num_sms=num_sms)
+    return out
 
   def loop(x, cache, reps):
-    return jax.lax.fori_loop(0, reps, lambda i, c: one(x, c, i), cache)
+    first = one(x, (cache,), 0)
+    return jax.lax.fori_loop(1, reps, lambda i, c: one(x, c, i), first)
 
   return jax.jit(loop, static_argnums=2, donate_argnums=1)
 
 
 def time_variant(variant, B, *, S=7, V=129280, R=256, reps=50, repeats=5,
-                 omit=()):
+                 omit=(), base_slots=2, stages=None, multicast=False,
+                 num_sms=None, block_b=None):
   x = _inputs(B, S, V, R)
   omit = () if variant.startswith("triton") else tuple(omit)
   mosaic_cfg = tuning.choose("mosaic", B, V, R, interpret=False)
+  if stages is not None:
+    mosaic_cfg = dataclasses.replace(mosaic_cfg, num_stages=stages)
+  if block_b is not None:
+    mosaic_cfg = dataclasses.replace(mosaic_cfg, block_b=block_b)
   triton_cfg = tuning.choose("fused", B, V, R, interpret=False)
   fn = step_fn(variant, B, S, V, R, mosaic_cfg=mosaic_cfg,
-               triton_cfg=triton_cfg, omit=omit)
+               triton_cfg=triton_cfg, omit=omit, base_slots=base_slots,
+               multicast=multicast, num_sms=num_sms)
   cache = jnp.zeros((B * S, V), jnp.float32)
-  cache = fn(x, cache, reps).block_until_ready()  # compile + warm
+  cache = fn(x, cache, reps)[0].block_until_ready()  # compile + warm
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    cache = fn(x, cache, reps).block_until_ready()
+    cache = fn(x, cache, reps)[0].block_until_ready()
     times.append((time.perf_counter() - t0) / reps * 1e6)
   cfg = triton_cfg if variant.startswith("triton") else mosaic_cfg
   return dict(variant=variant, batch=B, us_per_step=float(np.median(times)),
-              us_min=float(np.min(times)), config=str(cfg), omit=list(omit))
+              us_min=float(np.min(times)), config=str(cfg), omit=list(omit),
+              base_slots=base_slots, multicast=multicast, num_sms=num_sms)
 
 
 def main(argv=None):
@@ -113,6 +131,19 @@ def main(argv=None):
   ap.add_argument("--reps", type=int, default=50)
   ap.add_argument("--omit", nargs="*", default=[], choices=mbp.OMITTABLE,
                   help="Mosaic GPU variants only: stages to leave out")
+  ap.add_argument("--base-slots", type=int, default=2,
+                  help="Mosaic GPU variants: base tiles in flight")
+  ap.add_argument("--stages", type=int, default=None,
+                  help="Mosaic GPU variants: proj chunks in flight "
+                  "(default: the table's)")
+  ap.add_argument("--multicast", action="store_true",
+                  help="Mosaic GPU variants: the request tiles as a cluster "
+                  "sharing proj by TMA multicast")
+  ap.add_argument("--block-b", type=int, default=None,
+                  help="Mosaic GPU variants: requests a CTA (default: the "
+                  "table's)")
+  ap.add_argument("--num-sms", type=int, default=None,
+                  help="Mosaic GPU variants: CTAs to aim for")
   ap.add_argument("--out", default=None)
   args = ap.parse_args(argv)
   ok, why = mbp.available()
@@ -123,7 +154,10 @@ def main(argv=None):
   for B in args.batches:
     for v in args.variants:
       try:
-        r = time_variant(v, B, reps=args.reps, omit=args.omit)
+        r = time_variant(v, B, reps=args.reps, omit=args.omit,
+                         base_slots=args.base_slots, stages=args.stages,
+                         multicast=args.multicast, num_sms=args.num_sms,
+                         block_b=args.block_b)
       except Exception as e:  # pylint: disable=broad-except
         r = dict(variant=v, batch=B, error=f"{type(e).__name__}: {e}"[:300])
       print(json.dumps(r), flush=True)

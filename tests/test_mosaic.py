@@ -246,3 +246,31 @@ def test_row_stores_agree_bit_for_bit(B, block_b, block_v):
     untouched = np.setdiff1d(np.arange(N * S), written)
     np.testing.assert_array_equal(outs[1][0][untouched], before[untouched])
     assert not np.array_equal(outs[1][0][written], before[written])
+
+
+@pytest.mark.parametrize("B,block_b,block_v", [(256, 128, 64), (128, 64, 64),
+                                               (512, 128, 64)])
+def test_multicast_agrees_bit_for_bit(B, block_b, block_v):
+  """A cluster of the request tiles sharing each proj chunk by TMA multicast
+  computes what the CTAs loading their own chunks do, bit for bit, run after
+  run (DeepSeek-V4 shape, random state rows with padding)."""
+  S, V, R = DSV4["S"], DSV4["V"], DSV4["R"]
+  N = B + 3
+  rng = np.random.default_rng(77 + B)
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  base, emb, proj = bf16(B * S, V), bf16(B, R), bf16(V, R) * 0.1
+  params = jnp.stack([jnp.asarray(rng.choice([1.0, 1 / 0.7], B * S),
+                                  jnp.float32),
+                      jnp.zeros(B * S), jnp.full(B * S, 0.5)])
+  rows = (rng.permutation(N)[:B, None] * S + np.arange(S)).astype(np.int32)
+  rows[7] = -1
+  rows = jnp.asarray(rows.reshape(-1))
+  cache0 = jnp.asarray(rng.standard_normal((N * S, V)), jnp.float32)
+  step = jnp.array([3], jnp.int32)
+  outs = [[np.asarray(a) for a in mbp.mosaic_block_pass(
+      base, emb, proj, params, step, jnp.array(cache0), rows, num_steps=S,
+      num_cache_rows=N * S, block_b=block_b, block_v=block_v,
+      _multicast=multicast)] for multicast in (False, True, True)]
+  for out in outs[1:]:
+    for a, b in zip(outs[0], out):
+      np.testing.assert_array_equal(a, b)

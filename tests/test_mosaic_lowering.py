@@ -99,6 +99,32 @@ def test_output_shapes():
     chex.assert_type(out, [jnp.float32, jnp.float32, jnp.float32, jnp.int32])
 
 
+@pytest.mark.parametrize("B,block_b", [(256, 128), (128, 64)])
+def test_experiment_knobs_lower(B, block_b):
+  """_base_slots and _multicast (benchmarks/block_step.py) lower at the
+  DeepSeek-V4 shape into state rows; a cluster needs more than one request
+  tile to be one, and refuses what it cannot split."""
+  V, R, S = DSV4["V"], DSV4["R"], DSV4["S"]
+  specs = _specs(B, V, R, S) + [spec((B * S,), jnp.int32)]
+  for kw in (dict(_base_slots=3), dict(_multicast=True),
+             dict(_multicast=True, _base_slots=3)):
+    text = mbp.mosaic_block_pass.trace(
+        *specs, num_steps=S, num_sms=132, block_b=block_b, block_v=64,
+        **kw).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  p = mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=block_b,
+               block_v=64, max_concurrent_steps=None, num_sms=132,
+               row_stores="warp", multicast=True)
+  assert p.cluster == B // block_b and p.grid_v * p.cluster <= 132
+  with pytest.raises(ValueError, match="base_slots"):
+    mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=block_b,
+             block_v=64, max_concurrent_steps=None, num_sms=132, base_slots=1)
+  with pytest.raises(ValueError, match="multicast"):
+    mbp.plan((16 * 64 * S, V), (16 * 64, R), (V, R), num_steps=S,
+             block_b=64, block_v=64, max_concurrent_steps=None, num_sms=132,
+             multicast=True)
+
+
 def test_plan_fits_shared_memory():
   for B, block_v, row_stores in itertools.product((64, 128, 256), (64, 128),
                                                  mbp.ROW_STORES):

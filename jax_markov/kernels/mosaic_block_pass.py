@@ -49,7 +49,10 @@ Kernel layout (all static, chosen by :func:`plan`):
 * the statistics leave the kernel vocabulary-block-major, [NB, B]: a TMA
   store into [B, NB] would need NB * 4 bytes to be a multiple of 16 (NB =
   1010 at V = 129280, block_v = 128 is not) and a box at least 16 bytes
-  wide, and a [64]-row of [NB, B] is one contiguous 256-byte TMA.
+  wide, and a [64]-row of [NB, B] is one contiguous 256-byte TMA. (Storing
+  [B, NB] from the registers instead, 4 bytes a row and block, made the
+  select 7 us faster a step at B = 256 and this pass 11 us slower:
+  docs/perf-notes.md change 37.)
 
 Mosaic GPU only: there is no interpreter path (use :mod:`block_pass` with
 ``interpret=True`` for CPU semantics). Importing this module never fails; a
@@ -100,6 +103,8 @@ OMITTABLE = ("mma", "cache", "stats")
 # barriers and Mosaic's own scratch.
 SMEM_LIMIT = 227 * 1024 - 2048
 DEFAULT_NUM_SMS = 132  # H100 SXM / H200
+# The largest portable thread-block cluster.
+MAX_CLUSTER = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +125,10 @@ class Plan:
   num_b_tiles: int
   num_v_tiles: int
   grid_v: int         # vocabulary workers
+  base_slots: int = 2  # base tiles in flight (the ring's slots)
+  # CTAs of a cluster (the request tiles of one vocabulary tile) sharing each
+  # proj chunk by TMA multicast; 1: no cluster.
+  cluster: int = 1
   omit: tuple = ()    # stages left out, to time the others (OMITTABLE)
 
   @property
@@ -129,15 +138,17 @@ class Plan:
   @property
   def smem_bytes(self) -> int:
     return smem_bytes(self.block_b, self.cta_v, self.rank, self.block_v,
-                      self.stages, self.out_slots, self.row_stores)
+                      self.stages, self.out_slots, self.row_stores,
+                      self.base_slots)
 
 
 def smem_bytes(block_b: int, cta_v: int, rank: int, block_v: int, stages: int,
-               out_slots: int, row_stores: str = "tma") -> int:
+               out_slots: int, row_stores: str = "tma",
+               base_slots: int = 2) -> int:
   """Shared memory of one CTA, in bytes (barriers excluded)."""
   emb = block_b * rank * 2
   proj = stages * cta_v * TILE_K * 2
-  base = 2 * block_b * cta_v * 2
+  base = base_slots * block_b * cta_v * 2
   if row_stores == "warp":  # one padded staging tile and the rows
     out = NUM_COMPUTE_WGS * WG_ROWS * (STAGE_PITCH + 1) * 4
   else:
@@ -177,7 +188,8 @@ def _num_sms() -> int:
 def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
          block_b: int | None, block_v: int,
          max_concurrent_steps: int | None, num_sms: int | None,
-         row_stores: str = "tma", omit: tuple = ()) -> Plan:
+         row_stores: str = "tma", omit: tuple = (),
+         base_slots: int = 2, multicast: bool = False) -> Plan:
   """Checks the shapes and picks the tiles; raises ValueError if unsupported.
 
   row_stores ("tma" or "warp") is how state rows are stored; the dense
@@ -188,6 +200,8 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
   if row_stores not in ROW_STORES:
     raise ValueError(f"row_stores must be one of {ROW_STORES}, got "
                      f"{row_stores!r}")
+  if base_slots < 2:
+    raise ValueError(f"base_slots must be >= 2, got {base_slots}")
   if num_steps < 1:
     raise ValueError(f"num_steps must be >= 1, got {num_steps}")
   if len(base_shape) != 2 or base_shape[0] % num_steps:
@@ -235,10 +249,10 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
                   for e in slot_choices]
   fitting = [(p, e) for p, e in candidates
              if smem_bytes(block_b, cta_v, rank, block_v, p, e,
-                           row_stores) <= SMEM_LIMIT]
+                           row_stores, base_slots) <= SMEM_LIMIT]
   if not fitting:
     need = smem_bytes(block_b, cta_v, rank, block_v, candidates[-1][0], 1,
-                      row_stores)
+                      row_stores, base_slots)
     raise ValueError(
         f"block_b = {block_b}, block_v = {block_v}, R = {rank}, "
         f"max_concurrent_steps = {candidates[-1][0]} need {need} bytes of "
@@ -248,10 +262,17 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
   num_v_tiles = vocab // cta_v
   sms = num_sms or _num_sms()
   grid_v = max(1, min(num_v_tiles, sms // num_b_tiles))
+  cluster = num_b_tiles if multicast else 1
+  if cluster > MAX_CLUSTER or TILE_K % cluster or cta_v % (8 * cluster):
+    raise ValueError(
+        f"multicast: the {num_b_tiles} request tiles of B = {batch} must form "
+        f"a cluster of at most {MAX_CLUSTER} CTAs that split a proj chunk "
+        f"[{cta_v}, {TILE_K}] into whole 8-row swizzle groups")
   return Plan(batch=batch, steps=num_steps, vocab=vocab, rank=rank,
               block_b=block_b, block_v=block_v, cta_v=cta_v, split_v=split_v,
               num_k=num_k, stages=stages, out_slots=out_slots,
-              row_stores=row_stores, omit=tuple(omit),
+              row_stores=row_stores, omit=tuple(omit), base_slots=base_slots,
+              cluster=cluster,
               num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
 
 
@@ -360,7 +381,8 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
   warp_rows = rows_gmem is not None and p.row_stores == "warp"
 
   def body(emb_smem, proj_smem, base_smem, out_smem, rows_smem, max_smem,
-           sum_smem, arg_smem, emb_bar, proj_bar, base_bar, proj_free, base_free):
+           sum_smem, arg_smem, emb_bar, proj_bar, base_bar, proj_free, base_free,
+           done=None):
     # Every waiter waits on every phase of the barriers it uses (Mosaic keeps
     # one parity bit per barrier per thread): consumers on each proj chunk
     # and base tile, the producer on each release of a slot it refills.
@@ -377,9 +399,9 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       @pl.loop(0, num_t)
       def _load(t):
         v0 = tile_v0(t)
-        slot = lax.rem(t, 2)
+        slot = lax.rem(t, p.base_slots)
 
-        @pl.when(t >= 2)
+        @pl.when(t >= p.base_slots)
         def _():
           plgpu.barrier_wait(base_free.at[slot])
 
@@ -394,9 +416,12 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
           def _():
             plgpu.barrier_wait(proj_free.at[ps])
 
+          # With a cluster, each CTA loads 1 / cluster of the chunk's rows
+          # and multicasts them: every CTA's barrier counts the whole chunk.
           plgpu.copy_gmem_to_smem(
               proj_gmem.at[pl.ds(v0, cta_v), pl.ds(k * TILE_K, TILE_K)],
-              proj_smem.at[ps], proj_bar.at[ps])
+              proj_smem.at[ps], proj_bar.at[ps],
+              collective_axes="b" if p.cluster > 1 else None)
 
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _consumer():
@@ -428,7 +453,7 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       @pl.loop(0, num_t)
       def _tile(t):
         v0 = tile_v0(t) + col_off  # this warpgroup's first column
-        slot = lax.rem(t, 2)
+        slot = lax.rem(t, p.base_slots)
 
         def mma(acc_ref):
           prev = None
@@ -530,11 +555,18 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       # Shared memory must outlive the stores that read it.
       plgpu.wait_smem_to_gmem(0)
 
+    if p.cluster > 1:
+      # The consumers arrive on every CTA's proj_free and the producers
+      # multicast into every CTA's proj ring: no CTA of the cluster leaves
+      # (its shared memory and barriers gone) before all have arrived here.
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+
   pl.run_scoped(
       body,
       plgpu.SMEM((num_k, block_b, TILE_K), bf16, transforms=_swizzled(bf16)),
       plgpu.SMEM((stages, cta_v, TILE_K), bf16, transforms=_swizzled(bf16)),
-      plgpu.SMEM((2, block_b, cta_v), bf16, transforms=_swizzled(bf16)),
+      plgpu.SMEM((p.base_slots, block_b, cta_v), bf16, transforms=_swizzled(bf16)),
       # Row stores need single-row slices: no tiling in the state-row layout.
       (plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, STAGE_PITCH), f32) if warp_rows
        else plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, EPI_V), f32,
@@ -548,10 +580,18 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.int32),
       plgpu.Barrier(num_barriers=num_k),
       plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=2),
-      # Released by both consumers.
-      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=2),
+      plgpu.Barrier(num_barriers=p.base_slots),
+      # Released by both consumers (of every CTA of a cluster: a multicast
+      # refills the slot in all of them).
+      (plgpu.ClusterBarrier(collective_axes=("b",),
+                            num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages)
+       if p.cluster > 1 else
+       plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages)),
+      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.base_slots),
+      # Every warpgroup of the cluster, at the end.
+      *([plgpu.ClusterBarrier(collective_axes=("b",),
+                              num_arrivals=NUM_COMPUTE_WGS + 1)]
+        if p.cluster > 1 else []),
       collective_axes="wg",
   )
 
@@ -581,7 +621,7 @@ def _check_operands(base, emb, proj, params, step, cache, cache_rows,
     jax.jit,
     static_argnames=("num_steps", "num_cache_rows", "block_b", "block_v",
                      "max_concurrent_steps", "num_sms", "row_stores",
-                     "_omit"),
+                     "_omit", "_base_slots", "_multicast"),
     donate_argnames=("cache",))
 def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       params: jax.Array, step: jax.Array,
@@ -591,7 +631,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       block_b: int | None = None, block_v: int = 128,
                       max_concurrent_steps: int | None = None,
                       num_sms: int | None = None,
-                      row_stores: str = "warp", _omit: tuple = ()):
+                      row_stores: str = "warp", _omit: tuple = (),
+                      _base_slots: int = 2, _multicast: bool = False):
   """Runs one step of the fused block pass on Hopper (Mosaic GPU).
 
   Draw (b, s) is row ``b * S + s`` of base and of the per-draw arrays; this
@@ -628,6 +669,9 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       store a row (slow: kept to check the other against).
     _omit: stages to leave out, for timing the rest only (a subset of
       OMITTABLE; the outputs are then wrong): "mma", "cache", "stats".
+    _base_slots: base tiles in flight (>= 2; an experiment's knob).
+    _multicast: the request tiles of a vocabulary tile run as one cluster
+      that shares each proj chunk by TMA multicast (an experiment's knob).
 
   Returns:
     (cache, block_max, block_sum, block_argmax): the cache; per block of
@@ -651,7 +695,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
   p = plan(base.shape, emb.shape, proj.shape, num_steps=num_steps,
            block_b=block_b, block_v=block_v,
            max_concurrent_steps=max_concurrent_steps, num_sms=num_sms,
-           row_stores=row_stores, omit=_omit)
+           row_stores=row_stores, omit=_omit, base_slots=_base_slots,
+           multicast=_multicast)
   B, S, V = p.batch, p.steps, p.vocab
   if num_cache_rows is None:
     num_cache_rows = B * S
@@ -688,11 +733,18 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
 
   # pl.kernel on a plgpu.Mesh rather than plgpu.kernel: the latter wraps the
   # call in a custom_vmap that does not take Ref operands (the aliased cache).
+  if p.cluster > 1:
+    # The request tiles of a worker are the CTAs of one cluster.
+    mesh = plgpu.Mesh(grid=(p.grid_v,), grid_names=("v",),
+                      cluster=(p.cluster,), cluster_names=("b",),
+                      num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg")
+  else:
+    mesh = plgpu.Mesh(grid=(p.grid_v, p.num_b_tiles), grid_names=("v", "b"),
+                      num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg")
   kernel = pl.kernel(
       body,
       out_type=out_type,
-      mesh=plgpu.Mesh(grid=(p.grid_v, p.num_b_tiles), grid_names=("v", "b"),
-                      num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg"),
+      mesh=mesh,
       compiler_params=plgpu.CompilerParams(),
       name="mosaic_block_pass",
   )
