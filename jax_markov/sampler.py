@@ -22,6 +22,8 @@ from jax_markov import reference, rng, validate
 from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels import tuning
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
+from jax_markov.kernels import chunk_pass as chunk_pass_module
+from jax_markov.kernels.chunk_pass import chunk_pass
 from jax_markov.kernels.draft_pass import draft_pass
 from jax_markov.kernels import mosaic_block_pass
 from jax_markov.kernels.select_pass import select_pass
@@ -112,9 +114,13 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
     """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
     if config.method == "mosaic":
       cache, bmax, bsum, barg = mosaic_step(cache, tokens, s)
+      # The statistics are block-major: reduced over chunks of blocks first,
+      # a request's draw reads a few short strided runs, not NB words.
       tokens = select_pass(bmax, bsum, barg, cache, s, params, cache_rows,
                            tokens, config=config, num_steps=S, vocab=V,
-                           stats_major="block")
+                           stats_major="block",
+                           chunk_stats=chunk_pass(bmax, bsum, barg),
+                           chunk=chunk_pass_module.CHUNK)
       return cache, tokens, counters
     if config.method == "fused":
       # The block pass gathers the previous tokens' embedding rows itself.

@@ -224,7 +224,8 @@ def test_one_step_operand_order_for_a_native_runtime():
                                "cache", "counters", "columns", "slots")
   assert select_pass.INPUTS == ("block_max", "block_sum", "block_argmax",
                                 "cache", "step", "params", "cache_rows",
-                                "tokens", "columns")
+                                "tokens", "columns", "chunk_max",
+                                "chunk_sum", "chunk_argmax")
 
   # Sampling with a map: slots [V target] after every other given input
   # (base and proj over the draft columns).

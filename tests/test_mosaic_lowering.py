@@ -239,9 +239,11 @@ def test_sampler_lowers_mosaic_block_pass_and_triton_select(B, block_b,
                            num_stages=0)
   text = _sampler_text(B, DSV4["V"], DSV4["R"], DSV4["S"], config)
   # Two kernel variants (step 0 makes the cache, the others update it),
-  # called once a step; every select pass is a Triton call.
+  # called once a step; a chunk pass (one Triton call in a function called
+  # once a step) and a select pass (a Triton call a step) follow each.
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
-  assert text.count("__gpu$xla.gpu.triton") == DSV4["S"]
+  assert text.count("call @chunk_pass(") == DSV4["S"]
+  assert text.count("__gpu$xla.gpu.triton") == DSV4["S"] + 1
 
 
 def test_config_validation():
@@ -286,7 +288,8 @@ def test_sampler_lowers_mosaic_into_state_rows():
       spec((B, S), jnp.int32), config=config, interpret=False)
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-  assert text.count("__gpu$xla.gpu.triton") == S
+  assert text.count("call @chunk_pass(") == S
+  assert text.count("__gpu$xla.gpu.triton") == S + 1
 
 
 def test_sampler_refuses_mosaic_where_it_does_not_run():

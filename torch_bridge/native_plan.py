@@ -9,8 +9,9 @@ For a bucket of Bp requests the plan is::
 
 or, where the table picks the Mosaic GPU block pass (``DraftShape.mosaic``:
 a Hopper GPU, bf16, no map, sampling; kernels/mosaic_block_pass.py),
-``embed_rows`` (the previous tokens' embeddings), ``mosaic_block_pass`` and
-``select_pass`` a step, the Mosaic kernel launched by
+``embed_rows`` (the previous tokens' embeddings), ``mosaic_block_pass``,
+``chunk_pass`` (its block-major statistics reduced over chunks of blocks)
+and ``select_pass`` a step, the Mosaic kernel launched by
 :mod:`torch_bridge.mosaic_launch` on the same stream;
 
 every launch reading and writing buffers at fixed addresses: the spec's
@@ -34,6 +35,7 @@ from jax_markov.kernels import tuning
 from jax_markov.kernels import block_pass as block_pass_module
 from jax_markov.kernels import draft_pass as draft_pass_module
 from jax_markov.kernels import embed_rows as embed_rows_module
+from jax_markov.kernels import chunk_pass as chunk_pass_module
 from jax_markov.kernels import mosaic_block_pass as mosaic_module
 from jax_markov.kernels import select_pass as select_pass_module
 from jax_markov.kernels.block_pass import block_pass, num_request_tiles
@@ -53,7 +55,7 @@ ROW = 8  # int32 entries a table row: 32 bytes, the kernels' pointer alignment
 DEPENDENT_LAUNCH_KERNELS = ("draw_params", "block_pass", "select_pass")
 # The kernels launched once a step (the rest once a draft).
 _STEP_KERNELS = ("embed_rows", "block_pass", "mosaic_block_pass",
-                 "select_pass")
+                 "chunk_pass", "select_pass")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,8 +244,9 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
 
   Returns:
     {kernel: (KernelIR, ttir path, operand names)} for "draw_params" and
-    either "draft_pass" (the persistent draft) or "block_pass" and
-    "select_pass" (unless the block pass draws, tail).
+    either "draft_pass" (the persistent draft), "block_pass" and
+    "select_pass" (unless the block pass draws, tail), or (Mosaic GPU)
+    "embed_rows", "mosaic_block_pass", "chunk_pass" and "select_pass".
   """
   sh, bp = shape, bucket
   dependent_launch = bucket_dependent_launch(sh, bp, dependent_launch)
@@ -405,17 +408,33 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
           for k, alias in enumerate(ir.results)])
 
   nb = num_blocks(v, cfg)
+  nc = chunk_pass_module.num_chunks(nb)
+
+  def chunk_call(block_max, block_sum, block_argmax):
+    return chunk_pass_module.chunk_pass(block_max, block_sum, block_argmax)
+
+  specs = dict(block_max=_spec((nb, bp), f32), block_sum=_spec((nb, bp), f32),
+               block_argmax=_spec((nb, bp), i32))
+  out["chunk_pass"] = (
+      *_lower(ir_cache, {**desc, "kernel": "chunk_pass"}, chunk_call, specs,
+              capability),
+      operands(chunk_pass_module.INPUTS, chunk_pass_module.OUTPUTS, specs,
+               chunk_pass_module.OUTPUTS))
 
   def select_call(block_max, block_sum, block_argmax, cache, step, params,
-                  cache_rows, tokens):
+                  cache_rows, tokens, chunk_max, chunk_sum, chunk_argmax):
     return select_pass(block_max, block_sum, block_argmax, cache, step,
                        params, cache_rows, tokens, config=cfg, num_steps=s,
-                       vocab=v, stats_major="block")
+                       vocab=v, stats_major="block",
+                       chunk_stats=(chunk_max, chunk_sum, chunk_argmax),
+                       chunk=chunk_pass_module.CHUNK)
 
   specs = dict(block_max=_spec((nb, bp), f32), block_sum=_spec((nb, bp), f32),
                block_argmax=_spec((nb, bp), i32), cache=_spec((m * s, v), f32),
                step=_spec((1,), i32), params=_spec((3, bp * s), f32),
-               cache_rows=_spec((bp * s,), i32), tokens=_spec((bp * s,), i32))
+               cache_rows=_spec((bp * s,), i32), tokens=_spec((bp * s,), i32),
+               chunk_max=_spec((nc, bp), f32), chunk_sum=_spec((nc, bp), f32),
+               chunk_argmax=_spec((nc, bp), i32))
   out["select_pass"] = (
       *_lower(ir_cache, {**desc, "kernel": "select_pass"}, select_call, specs,
               capability),
@@ -456,6 +475,14 @@ class DraftPlans:
     self.bmax = torch.empty(stats, dtype=torch.float32, device=device)
     self.bsum = torch.empty(stats, dtype=torch.float32, device=device)
     self.barg = torch.empty(stats, **i32)
+    # The chunk pass's statistics, [NC, Bp] (Mosaic GPU buckets only).
+    chunks = max([chunk_pass_module.num_chunks(num_blocks(grid, cfg)) * b
+                  for b in buckets
+                  for cfg in [shape_config(shape, b)]
+                  if cfg.method == "mosaic"], default=0)
+    self.cmax = torch.empty(chunks, dtype=torch.float32, device=device)
+    self.csum = torch.empty(chunks, dtype=torch.float32, device=device)
+    self.carg = torch.empty(chunks, **i32)
     # The tail select leaves its counters at 0; the persistent draft's are
     # zeroed before each launch (native.Zero).
     self.counters = torch.zeros(max(m, draft_pass_module.NUM_COUNTERS), **i32)
@@ -491,6 +518,8 @@ class DraftPlans:
                  anchors=ptr(self.anchors), tokens=ptr(self.tokens),
                  block_max=ptr(self.bmax), block_sum=ptr(self.bsum),
                  block_argmax=ptr(self.barg), counters=ptr(self.counters),
+                 chunk_max=ptr(self.cmax), chunk_sum=ptr(self.csum),
+                 chunk_argmax=ptr(self.carg),
                  emb=ptr(self.emb))
     launches = []
     for name, (ir, path, names) in lower_bucket(
@@ -521,6 +550,6 @@ class DraftPlans:
     # counters zeroed and the draft pass.
     rank = {"draw_params": 0, "zero_counters": 1, "draft_pass": 2,
             "embed_rows": 0, "block_pass": 1, "mosaic_block_pass": 1,
-            "select_pass": 2}
+            "chunk_pass": 2, "select_pass": 3}
     launches.sort(key=lambda x: (x[1] is not None, x[1] or 0, rank[x[0]]))
     return [launch for _, _, launch in launches]

@@ -49,10 +49,11 @@ from jax_markov.kernels.named_call import named_call
 
 # The pallas_call's operands, in order: the inputs that are given, then the
 # output, which updates the input tokens in place when that is given.
-# columns (the reduced draft vocabulary's map) comes last, so the order of the
-# other operands is the same with it absent.
+# columns (the reduced draft vocabulary's map) and the chunk statistics come
+# last, so the order of the other operands is the same with them absent.
 INPUTS = ("block_max", "block_sum", "block_argmax", "cache", "step", "params",
-          "cache_rows", "tokens", "columns")
+          "cache_rows", "tokens", "columns", "chunk_max", "chunk_sum",
+          "chunk_argmax")
 OUTPUTS = ("tokens",)
 
 
@@ -156,9 +157,91 @@ def draw_token(bmax_ref, bsum_ref, barg_ref, cache_ref, params_ref,
   return _to_target(token, None, vocab)
 
 
+def draw_token_chunked(bmax_ref, bsum_ref, cmax_ref, csum_ref, carg_ref,
+                       barg_ref, cache_ref, params_ref, cache_rows_ref, b, d,
+                       *, num_blocks: int, chunk: int, num_chunks: int,
+                       block_v: int, vocab: int):
+  """:func:`draw_token` on block-major statistics and their chunk pass.
+
+  The same draw through one more level: the chunks' statistics
+  (kernels/chunk_pass.py, [NC, B]) choose the chunk and give the row max,
+  the normaliser and the greedy token; then the chosen chunk's ``chunk``
+  blocks, then that block's logits. Reads NC + chunk words of each
+  statistic where draw_token reads NB. The running sums associate
+  differently from draw_token's (a chunk's blocks are summed first), so a
+  token may differ from its draw where u * Z falls within float32 rounding
+  of a partial sum.
+  """
+  chunks_pow2 = pl.next_power_of_2(num_chunks)
+  ch = jnp.arange(chunks_pow2)
+  ch_mask = ch < num_chunks
+  stats = pl.ds(0, chunks_pow2)
+  cmax = plgpu.load(cmax_ref.at[stats, b], mask=ch_mask, other=-jnp.inf)
+  carg = plgpu.load(carg_ref.at[stats, b], mask=ch_mask, other=-1)
+  m = jnp.max(cmax)
+  # As in _first_argmax, a chunk at a time: a chunk's first-max index is the
+  # first of its blocks'; chunks with none (-1) are skipped.
+  first_max_chunk = jnp.minimum(
+      jnp.min(jnp.where((cmax == m) & (carg >= 0), ch, chunks_pow2)),
+      num_chunks - 1)
+  greedy_token = jnp.sum(jnp.where(ch == first_max_chunk, carg, 0))
+  csum = plgpu.load(csum_ref.at[stats, b], mask=ch_mask, other=0.0)
+  finite = (m > -jnp.inf) & (m < jnp.inf)
+  greedy = (params_ref[1, d] != 0) | jnp.logical_not(finite)
+
+  # Level 0: chunks. chunk_sum is relative to the chunk max where that is
+  # finite, to 0 where it is -inf (and then 0): the factor is exp(-inf) = 0.
+  m_safe = jnp.where(finite, m, 0.0)
+  chunk_mass = csum * jnp.exp(cmax - m_safe)
+  running = jax.lax.cumsum(chunk_mass, axis=0)
+  target = params_ref[2, d] * jnp.max(running)
+  k0 = jnp.sum((running <= target).astype(jnp.int32))
+  last_chunk = jnp.max(jnp.where(chunk_mass > 0, ch, -1))
+  k0 = jnp.clip(jnp.minimum(k0, last_chunk), 0, num_chunks - 1)
+  prefix = jnp.sum(jnp.where(ch < k0, chunk_mass, 0.0))
+
+  # Level 1: the blocks of chunk k0.
+  j = jnp.arange(chunk)
+  blk_mask = k0 * chunk + j < num_blocks
+  blocks = pl.ds(k0 * chunk, chunk)
+  bmax = plgpu.load(bmax_ref.at[blocks, b], mask=blk_mask, other=-jnp.inf)
+  bsum = plgpu.load(bsum_ref.at[blocks, b], mask=blk_mask, other=0.0)
+  mass = bsum * jnp.exp(bmax - m_safe)
+  running_b = jax.lax.cumsum(mass, axis=0) + prefix
+  kk = jnp.sum((running_b <= target).astype(jnp.int32))
+  last_block = jnp.max(jnp.where(mass > 0, j, -1))
+  # Every block's mass can underflow to 0 where the chunk's product did not:
+  # then the chunk's max block, whose argmax is the likeliest token left.
+  top_block = jnp.min(jnp.where(bmax == jnp.max(bmax), j, chunk))
+  kk = jnp.clip(jnp.where(last_block >= 0, jnp.minimum(kk, last_block),
+                          top_block), 0, chunk - 1)
+  k = jnp.minimum(k0 * chunk + kk, num_blocks - 1)
+  prefix = prefix + jnp.sum(jnp.where(j < kk, mass, 0.0))
+
+  # Level 2: inside block k, as draw_token.
+  v0 = k * block_v
+  col = jnp.arange(block_v)
+  v_mask = v0 + col < vocab
+  row = d if cache_rows_ref is None else jnp.maximum(cache_rows_ref[d], 0)
+  x = plgpu.load(cache_ref.at[row, pl.ds(v0, block_v)], mask=v_mask,
+                 other=-jnp.inf)
+  y = jnp.where(x == x, x, -jnp.inf) * params_ref[0, d]
+  y = jnp.where(v_mask, y, -jnp.inf)
+  p = jnp.exp(y - m_safe)
+  running_v = jax.lax.cumsum(p, axis=0) + prefix
+  idx = jnp.sum((running_v <= target).astype(jnp.int32))
+  last_idx = jnp.max(jnp.where(p > 0, col, -1))
+  sampled = jnp.where(last_idx >= 0, v0 + jnp.minimum(idx, last_idx),
+                      barg_ref[k, b])
+
+  token = jnp.where(greedy, greedy_token, sampled)
+  return _to_target(token, None, vocab)
+
+
 def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
                         block_v: int, steps: int, vocab: int, no_cache: bool,
-                        dependent_launch: bool, block_major: bool):
+                        dependent_launch: bool, block_major: bool,
+                        chunk: int | None):
   # Every access below reads what the block pass wrote, or writes what the
   # next step's block pass reads: all after the wait, through b.
   b = pl.program_id(0)
@@ -173,6 +256,14 @@ def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
         ins["block_max"], ins["block_argmax"], b, num_blocks=num_blocks,
         blocks_pow2=blocks_pow2, vocab=vocab, columns_ref=columns_ref,
         block_major=block_major)
+    return
+  if chunk is not None:
+    outs["tokens"][d] = draw_token_chunked(
+        ins["block_max"], ins["block_sum"], ins["chunk_max"],
+        ins["chunk_sum"], ins["chunk_argmax"], ins["block_argmax"],
+        ins["cache"], ins["params"], ins.get("cache_rows"), b, d,
+        num_blocks=num_blocks, chunk=chunk,
+        num_chunks=ins["chunk_max"].shape[0], block_v=block_v, vocab=vocab)
     return
   outs["tokens"][d] = draw_token(
       ins["block_max"], ins["block_sum"], ins["block_argmax"], ins["cache"],
@@ -189,7 +280,8 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
                 num_steps: int, columns: jax.Array | None = None,
                 vocab: int | None = None, no_cache: bool = False,
                 dependent_launch: bool = False, stats_major: str = "request",
-                interpret: bool = False):
+                chunk_stats: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                chunk: int | None = None, interpret: bool = False):
   """Runs the select pass of one step.
 
   Args:
@@ -227,6 +319,14 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
     stats_major: "request" (the statistics are [B, NB], the Triton block
       pass's) or "block" ([NB, B], the Mosaic GPU block pass's: each request
       reads a strided column, from L2 where the block pass just wrote it).
+    chunk_stats: with stats_major="block" and sampling, optionally
+      (chunk_max, chunk_sum, chunk_argmax), float32 / float32 / int32
+      [NC, B]: :func:`jax_markov.kernels.chunk_pass.chunk_pass` of these
+      statistics. The draw then reads the chunks, one chunk's blocks and
+      one block's logits (:func:`draw_token_chunked`) instead of a column
+      of NB words a statistic.
+    chunk: the blocks a chunk of chunk_stats (static); NC must be
+      ceil(NB / chunk). Given exactly when chunk_stats is.
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
@@ -234,8 +334,8 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
 
   Operands of the pallas_call (the order a native runtime binds pointers
   in): the inputs that are given, in the order ``block_max, block_sum,
-  block_argmax, cache, step, params, cache_rows, tokens, columns``, then the
-  output ``tokens``, which aliases the input tokens where it is given (see
+  block_argmax, cache, step, params, cache_rows, tokens, columns, chunk_max,
+  chunk_sum, chunk_argmax``, then the output ``tokens``, which aliases the input tokens where it is given (see
   :data:`INPUTS`, :data:`OUTPUTS`). columns comes last, so without it the
   order is that of the plain select pass; with no_cache the inputs are
   ``block_max, block_argmax, step, tokens, columns`` (those given).
@@ -265,15 +365,34 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
   if columns is not None and columns.shape != (vocab,):
     raise ValueError(f"columns must be int32 [{vocab}] (one per draft "
                      f"column), got {columns.shape}")
+  if (chunk_stats is None) != (chunk is None):
+    raise ValueError("chunk_stats and chunk go together (the chunk pass's "
+                     "outputs and its chunk size)")
+  if chunk_stats is not None:
+    if chunk < 1 or chunk & (chunk - 1):
+      raise ValueError(f"chunk must be a power of two, got {chunk}")
+    if not block_major or no_cache:
+      raise ValueError("chunk_stats reduce block-major statistics for "
+                       "sampling: stats_major='block', no_cache=False")
+    nc = pl.cdiv(num_blocks, chunk)
+    for x, dtype in zip(chunk_stats, (jnp.float32, jnp.float32, jnp.int32)):
+      if x.shape != (nc, batch) or x.dtype != dtype:
+        raise ValueError(
+            f"chunk_stats must be (float32, float32, int32) [{nc}, {batch}] "
+            f"(ceil(NB / chunk) = ceil({num_blocks} / {chunk}) chunks), got "
+            f"{[(str(y.dtype), y.shape) for y in chunk_stats]}")
   kernel = functools.partial(
       _select_pass_kernel, num_blocks=num_blocks,
       blocks_pow2=pl.next_power_of_2(num_blocks), block_v=config.block_v,
       steps=num_steps, vocab=vocab, no_cache=no_cache,
-      dependent_launch=dependent_launch, block_major=block_major)
+      dependent_launch=dependent_launch, block_major=block_major,
+      chunk=chunk)
+  chunk_max, chunk_sum, chunk_argmax = chunk_stats or (None, None, None)
   given = dict(block_max=block_max, block_sum=block_sum,
                block_argmax=block_argmax, cache=cache, step=step,
                params=params, cache_rows=cache_rows, tokens=tokens,
-               columns=columns)
+               columns=columns, chunk_max=chunk_max, chunk_sum=chunk_sum,
+               chunk_argmax=chunk_argmax)
   out = named_call(
       kernel, {name: given[name] for name in INPUTS},
       dict(tokens=jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32)),
