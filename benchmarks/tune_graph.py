@@ -60,11 +60,24 @@ def candidates(batch: int):
                        block_v=bv, block_k=bk, num_warps=w, num_stages=st)
 
 
+def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The table's fused tile with the first rows of proj kept in L2 across
+  the steps (proj_l2_rows: evict_last on those rows, evict_first on every
+  other stream), as the B = 1 entry keeps 49152 rows (24 MB)."""
+  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if cfg.select == "persistent" or cfg.method != "fused":
+    return
+  for rows in (16384, 32768, 49152, 65536):
+    yield dataclasses.replace(cfg, proj_l2_rows=rows)
+
+
 def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """Mosaic GPU block-pass tiles that run at this shape: 128- or 64-request
   tiles dividing B, 64- or 128-column statistics blocks, the proj chunks in
-  flight as many as fit (num_stages 0) or 4; what does not fit in shared
-  memory (mosaic_block_pass.plan) is left out."""
+  flight as many as fit (num_stages 0) or 4, and with 128-request tiles the
+  chunk statistics folded into the pass's epilogue or left to the chunk
+  pass (fold_chunks); what does not fit in shared memory
+  (mosaic_block_pass.plan) is left out."""
   from jax_markov.kernels import mosaic_block_pass as mbp
   for bb in (128, 64):
     if batch % bb:
@@ -79,8 +92,9 @@ def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                    row_stores="warp")
         except ValueError:
           continue
-        yield KernelConfig(method="mosaic", block_b=bb, block_v=bv,
-                           num_stages=stages)
+        for fold in ((True, False) if bb == 128 else (True,)):
+          yield KernelConfig(method="mosaic", block_b=bb, block_v=bv,
+                             num_stages=stages, fold_chunks=fold)
 
 
 def persistent_candidates(batch: int):
@@ -178,11 +192,12 @@ def main(argv=None):
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
-                 choices=("tiles", "persistent", "mosaic", "table"),
+                 choices=("tiles", "persistent", "mosaic", "l2", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
-                 "Hopper); table: the table's fused entry only")
+                 "Hopper); l2: the table's tile keeping proj rows in L2 "
+                 "(l2_candidates); table: the table's fused entry only")
   p.add_argument("--dependent-launch", default="auto",
                  choices=("auto", "on", "off", "both"),
                  help="the hook's dependent_launch (auto: its default, on "
@@ -201,6 +216,7 @@ def main(argv=None):
     seen, ref_tokens = [], None
     grid = dict(tiles=candidates, persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
+                l2=lambda b: l2_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]

@@ -98,29 +98,34 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
         "method='mosaic' runs on a Hopper GPU only, and not with a reduced "
         "vocabulary or greedy_draft (use 'fused' there)")
 
+  fold = (mosaic_block_pass.epilogue_chunk(config, B, V)
+          if config.method == "mosaic" else None)
+
   def mosaic_step(cache, tokens, s):
     # XLA gathers the previous tokens' embedding rows; the kernel keeps them
     # in shared memory.
     prev = anchor_tokens if tokens is None else jax.lax.dynamic_index_in_dim(
         tokens.reshape(B, S), s[0] - 1, axis=1, keepdims=False)
-    return mosaic_block_pass.mosaic_block_pass(
+    cache, bmax, bsum, barg, *chunks = mosaic_block_pass.mosaic_block_pass(
         base_flat, head.embed[prev], head.proj, params, s, cache, cache_rows,
         num_steps=S, num_cache_rows=num_cache_rows, block_b=config.block_b,
         block_v=config.block_v,
         max_concurrent_steps=(config.num_stages if config.num_stages >= 2
-                              else None))
+                              else None), chunk=fold)
+    if fold is None:
+      # The statistics are block-major: reduced over chunks of blocks first,
+      # a request's draw reads a few short strided runs, not NB words.
+      chunks = chunk_pass(bmax, bsum, barg)
+    return cache, (bmax, bsum, barg), tuple(chunks)
 
   def step(cache, tokens, counters, s):
     """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
     if config.method == "mosaic":
-      cache, bmax, bsum, barg = mosaic_step(cache, tokens, s)
-      # The statistics are block-major: reduced over chunks of blocks first,
-      # a request's draw reads a few short strided runs, not NB words.
-      tokens = select_pass(bmax, bsum, barg, cache, s, params, cache_rows,
+      cache, stats, chunks = mosaic_step(cache, tokens, s)
+      tokens = select_pass(*stats, cache, s, params, cache_rows,
                            tokens, config=config, num_steps=S, vocab=V,
-                           stats_major="block",
-                           chunk_stats=chunk_pass(bmax, bsum, barg),
-                           chunk=chunk_pass_module.CHUNK)
+                           stats_major="block", chunk_stats=chunks,
+                           chunk=fold or chunk_pass_module.CHUNK)
       return cache, tokens, counters
     if config.method == "fused":
       # The block pass gathers the previous tokens' embedding rows itself.

@@ -61,7 +61,10 @@ def _statistics(nb, b, seed):
   return bmax, bsum, barg
 
 
-CASES = [(37, 6, 8, 4), (16, 5, 4, 8), (9, 4, 16, 4), (12, 4, 1, 2)]
+# Chunks need not be powers of two (the Mosaic pass's are its workers'
+# runs of blocks, 31 at B = 256).
+CASES = [(37, 6, 8, 4), (16, 5, 4, 8), (9, 4, 16, 4), (12, 4, 1, 2),
+         (40, 6, 7, 4), (31, 5, 3, 4)]
 
 
 @pytest.mark.parametrize("nb,b,chunk,block_b", CASES)
@@ -80,7 +83,8 @@ def test_chunk_pass_matches_numpy(nb, b, chunk, block_b, interpret=True):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("nb,b,chunk,block_b",
-                         CASES + [(2020, 256, 32, 128), (1010, 192, 32, 128)])
+                         CASES + [(2020, 256, 32, 128), (1010, 192, 32, 128),
+                                  (2020, 256, 31, 128)])
 def test_chunk_pass_compiled(nb, b, chunk, block_b):
   """The same, compiled by Triton; and at the DeepSeek-V4 shape's NB."""
   test_chunk_pass_matches_numpy(nb, b, chunk, block_b, interpret=False)
@@ -89,15 +93,18 @@ def test_chunk_pass_compiled(nb, b, chunk, block_b):
 def test_chunk_pass_refuses_bad_input():
   bmax = jnp.zeros((8, 4), jnp.float32)
   barg = jnp.zeros((8, 4), jnp.int32)
-  with pytest.raises(ValueError, match="power of two"):
-    chunk_pass(bmax, bmax, barg, chunk=3, interpret=True)
+  with pytest.raises(ValueError, match="chunk must be >= 1"):
+    chunk_pass(bmax, bmax, barg, chunk=0, interpret=True)
+  with pytest.raises(ValueError, match="block_b must be a power of two"):
+    chunk_pass(bmax, bmax, barg, block_b=3, interpret=True)
   with pytest.raises(ValueError, match="block_argmax must be int32"):
     chunk_pass(bmax, bmax, bmax, interpret=True)
   with pytest.raises(ValueError, match=r"block_sum must be float32 \[8, 4\]"):
     chunk_pass(bmax, bmax[:4], barg, interpret=True)
 
 
-@pytest.mark.parametrize("block_v,chunk", [(32, 2), (16, 4), (16, 32)])
+@pytest.mark.parametrize("block_v,chunk", [(32, 2), (16, 4), (16, 32),
+                                           (16, 3)])
 def test_select_pass_draws_from_chunk_statistics(block_v, chunk):
   """The chunked draw of block-major statistics from the block pass: every
   token by the draw rule on its cached logits. Sampled and greedy draws

@@ -274,3 +274,78 @@ def test_multicast_agrees_bit_for_bit(B, block_b, block_v):
   for out in outs[1:]:
     for a, b in zip(outs[0], out):
       np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("B,block_v,rows", [(256, 64, False), (256, 64, True),
+                                            (128, 128, False),
+                                            (384, 64, True)])
+def test_folded_chunk_statistics(B, block_v, rows):
+  """chunk (each CTA a contiguous run of blocks, reduced in its epilogue):
+  the cache and the block statistics bit for bit as the strided workers
+  write them, and chunk statistics equal to the chunk pass's of the same
+  block statistics (max and argmax exactly, sums within float32 rounding
+  of another order), with a -inf row, -inf runs, NaN and +inf logits."""
+  from jax_markov.kernels.chunk_pass import chunk_pass
+  S, V, R = DSV4["S"], DSV4["V"], DSV4["R"]
+  N = B + 5
+  rng = np.random.default_rng(91 + B)
+  base = rng.standard_normal((B * S, V)).astype(np.float32)
+  s = 2
+  base[0 * S + s] = -np.inf                    # a row with nothing drawable
+  base[1 * S + s, :5000] = -np.inf             # -inf chunks, then finite
+  base[2 * S + s, 700:900] = np.nan
+  base[3 * S + s, 4097] = np.inf
+  base[4 * S + s, 128:192] = 30.0              # ties across blocks
+  base = jnp.asarray(base, jnp.bfloat16)
+  emb = jnp.asarray(rng.standard_normal((B, R)), jnp.bfloat16)
+  proj = jnp.asarray(rng.standard_normal((V, R)) * 0.1, jnp.bfloat16)
+  params = jnp.stack([jnp.asarray(rng.choice([1.0, 1 / 0.7], B * S),
+                                  jnp.float32),
+                      jnp.zeros(B * S), jnp.full(B * S, 0.5)])
+  step = jnp.array([s], jnp.int32)
+  if rows:
+    r = (rng.permutation(N)[:B, None] * S + np.arange(S)).astype(np.int32)
+    r[6] = -1
+    cache_rows, n = jnp.asarray(r.reshape(-1)), N * S
+  else:
+    cache_rows, n = None, B * S
+  cache0 = jnp.asarray(rng.standard_normal((n, V)), jnp.float32)
+  chunk = mbp.default_chunk(B, V, block_b=128, block_v=block_v)
+  kw = dict(num_steps=S, num_cache_rows=n, block_b=128, block_v=block_v)
+  plain = [np.asarray(a) for a in mbp.mosaic_block_pass(
+      base, emb, proj, params, step, jnp.array(cache0), cache_rows, **kw)]
+  for _ in range(2):
+    folded = mbp.mosaic_block_pass(base, emb, proj, params, step,
+                                   jnp.array(cache0), cache_rows, chunk=chunk,
+                                   **kw)
+    assert len(folded) == 7
+    for a, b in zip(plain, folded[:4]):
+      np.testing.assert_array_equal(a, np.asarray(b))
+    want = chunk_pass(*folded[1:4], chunk=chunk)
+    nc = -(-(V // block_v) // chunk)
+    for got, ref, dtype in zip(folded[4:], want,
+                               (jnp.float32, jnp.float32, jnp.int32)):
+      assert got.shape == (nc, B) and got.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(folded[4]), np.asarray(want[0]))
+    np.testing.assert_array_equal(np.asarray(folded[6]), np.asarray(want[2]))
+    np.testing.assert_allclose(np.asarray(folded[5]), np.asarray(want[1]),
+                               rtol=2e-6 * chunk)
+  # The edge rows came through: nothing drawable, +inf.
+  assert np.all(np.asarray(folded[4])[:, 0] == -np.inf)
+  assert np.all(np.asarray(folded[5])[:, 0] == 0)
+  assert np.asarray(folded[4])[:, 3].max() == np.inf
+
+
+def test_folded_and_unfolded_drafts_agree_at_b256():
+  """The sampler with the fold (the default) and with the chunk pass: the
+  same cache bit for bit, tokens that agree as draws of the same logits
+  (the chunk sums associate differently), both within the contract."""
+  B = 256
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=93, head_scale=0.1,
+                      temperature=np.where(np.arange(B) % 5 == 0, 0.0, 0.9))
+  folded = jm.sample_draft(*args, config=_mosaic())
+  plain = jm.sample_draft(*args, config=jm.KernelConfig(
+      method="mosaic", block_b=128, block_v=64, fold_chunks=False))
+  check_sample_draft(folded, *args)
+  assert_sample_drafts_agree(folded, plain, *args)

@@ -232,18 +232,74 @@ def _sampler_text(B, V, R, S, config):
   return traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("B,block_b,block_v", [(256, 128, 64), (64, 64, 128)])
+@pytest.mark.parametrize("B,block_b,block_v,fold", [
+    (256, 128, 64, True), (256, 128, 64, False), (64, 64, 128, True)])
 def test_sampler_lowers_mosaic_block_pass_and_triton_select(B, block_b,
-                                                           block_v):
+                                                           block_v, fold):
   config = jm.KernelConfig(method="mosaic", block_b=block_b, block_v=block_v,
-                           num_stages=0)
+                           num_stages=0, fold_chunks=fold)
   text = _sampler_text(B, DSV4["V"], DSV4["R"], DSV4["S"], config)
   # Two kernel variants (step 0 makes the cache, the others update it),
-  # called once a step; a chunk pass (one Triton call in a function called
-  # once a step) and a select pass (a Triton call a step) follow each.
+  # called once a step; a select pass (a Triton call a step) follows each,
+  # after a chunk pass (one Triton call in a function called once a step)
+  # unless the block pass folds the chunk statistics (block_b = 128).
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
-  assert text.count("call @chunk_pass(") == DSV4["S"]
-  assert text.count("__gpu$xla.gpu.triton") == DSV4["S"] + 1
+  chunk_passes = 0 if fold and block_b == 128 else DSV4["S"]
+  assert text.count("call @chunk_pass(") == chunk_passes
+  assert text.count("__gpu$xla.gpu.triton") == DSV4["S"] + (
+      0 if chunk_passes == 0 else 1)
+
+
+@pytest.mark.parametrize("B,V,block_v,sms,chunk,nc", [
+    (256, DSV4["V"], 64, 132, 31, 66),   # 2020 blocks in 66 runs of 31
+    (256, DSV4["V"], 128, 132, 16, 64),  # 1010 in 64 runs of 16 (the last 2)
+    (128, 1024, 64, 132, 1, 16),         # fewer blocks than SMs
+    (384, 4096, 128, 100, 1, 32),
+])
+def test_folded_chunk_statistics_lower(B, V, block_v, sms, chunk, nc):
+  """chunk: each worker a contiguous run of blocks, three more [NC, B]
+  outputs after the block statistics; default_chunk keeps one CTA an SM."""
+  R, S = 128, 2
+  assert mbp.default_chunk(B, V, block_b=128, block_v=block_v,
+                           num_sms=sms) == chunk
+  p = mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=128,
+               block_v=block_v, max_concurrent_steps=None, num_sms=sms,
+               chunk=chunk)
+  assert p.grid_v == nc and p.chunk == chunk
+  assert p.grid_v * (B // 128) <= sms
+  lowered = mbp.mosaic_block_pass.trace(
+      *_specs(B, V, R, S), num_steps=S, num_sms=sms, block_v=block_v,
+      chunk=chunk).lower(lowering_platforms=("cuda",))
+  assert lowered.as_text().count("stablehlo.custom_call @mosaic_gpu") == 1
+  shapes = [(x.shape, x.dtype) for x in lowered.out_info]
+  nb = V // block_v
+  assert shapes == [((B * S, V), jnp.float32), ((nb, B), jnp.float32),
+                    ((nb, B), jnp.float32), ((nb, B), jnp.int32),
+                    ((nc, B), jnp.float32), ((nc, B), jnp.float32),
+                    ((nc, B), jnp.int32)]
+
+
+def test_folded_chunk_statistics_refuse_what_they_do_not_run():
+  B, V, R, S = 128, 1024, 128, 2
+  specs = _specs(B, V, R, S)
+  kw = dict(num_steps=S, num_sms=132)
+  with pytest.raises(ValueError, match="block_b = 128"):
+    mbp.mosaic_block_pass.trace(*specs, block_b=64, chunk=4, **kw)
+  with pytest.raises(ValueError, match="chunk must be >= 1"):
+    mbp.mosaic_block_pass.trace(*specs, chunk=0, **kw)
+  with pytest.raises(ValueError, match="omit cannot drop 'stats'"):
+    mbp.mosaic_block_pass.trace(*specs, chunk=4, _omit=("stats",), **kw)
+  with pytest.raises(ValueError, match="multicast"):
+    mbp.mosaic_block_pass.trace(*_specs(256, V, R, S), chunk=4,
+                                _multicast=True, **kw)
+  # epilogue_chunk: only where the config folds and its tile allows it.
+  cfg = jm.KernelConfig(method="mosaic", block_b=128, block_v=64)
+  assert mbp.epilogue_chunk(cfg, 256, DSV4["V"], 132) == 31
+  assert mbp.epilogue_chunk(jm.KernelConfig(
+      method="mosaic", block_b=128, block_v=64, fold_chunks=False),
+      256, DSV4["V"], 132) is None
+  assert mbp.epilogue_chunk(jm.KernelConfig(
+      method="mosaic", block_b=64, block_v=64), 64, DSV4["V"], 132) is None
 
 
 def test_config_validation():
@@ -288,8 +344,9 @@ def test_sampler_lowers_mosaic_into_state_rows():
       spec((B, S), jnp.int32), config=config, interpret=False)
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
-  assert text.count("call @chunk_pass(") == S
-  assert text.count("__gpu$xla.gpu.triton") == S + 1
+  # The block pass folds the chunk statistics: no chunk pass.
+  assert text.count("call @chunk_pass(") == 0
+  assert text.count("__gpu$xla.gpu.triton") == S
 
 
 def test_sampler_refuses_mosaic_where_it_does_not_run():

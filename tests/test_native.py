@@ -145,30 +145,44 @@ def test_persistent_draft_is_planned_as_one_launch(tmp_path, monkeypatch,
 def test_mosaic_bucket_is_planned(tmp_path):
   """Where the table picks the Mosaic GPU block pass (a Hopper GPU, bf16,
   sampling the full vocabulary), a bucket is draw_params then embed_rows,
-  mosaic_block_pass, the chunk pass and a block-major select pass on its
-  chunk statistics a step, the Mosaic
-  kernel's pointers bound by name (its cache aliased in place); greedy
-  drafting, a map, another dtype or no Hopper keep the Triton block pass."""
+  mosaic_block_pass (which also reduces its statistics over chunks of
+  blocks) and a block-major select pass on those chunk statistics a step,
+  the Mosaic kernel's pointers bound by name (its cache aliased in place);
+  without the fold, a chunk pass between them; greedy drafting, a map,
+  another dtype or no Hopper keep the Triton block pass."""
   import dataclasses
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   cache = native.IRCache(str(tmp_path))
   shape = dataclasses.replace(_shape(256, 7, 129280, 256), mosaic=True)
   kernels = native_plan.lower_bucket(shape, 256, cache, (9, 0), 132)
   assert set(kernels) == {"draw_params", "embed_rows", "mosaic_block_pass",
-                          "chunk_pass", "select_pass"}
+                          "select_pass"}
   ir, path, names = kernels["mosaic_block_pass"]
   assert path is None and ir.module
   assert names == ["base", "emb", "proj", "params", "step", "cache_rows",
-                   "cache", "block_max", "block_sum", "block_argmax", "cache"]
+                   "cache", "block_max", "block_sum", "block_argmax",
+                   "chunk_max", "chunk_sum", "chunk_argmax", "cache"]
   assert kernels["embed_rows"][2] == ["embed", "anchors", "tokens", "step",
                                       "emb"]
-  assert kernels["chunk_pass"][2] == ["block_max", "block_sum",
-                                      "block_argmax", "chunk_max",
-                                      "chunk_sum", "chunk_argmax"]
   assert kernels["select_pass"][2] == [
       "block_max", "block_sum", "block_argmax", "cache", "step", "params",
       "cache_rows", "tokens", "chunk_max", "chunk_sum", "chunk_argmax",
       "tokens"]
+  # 2020 blocks in 66 chunks of 31 (one CTA an SM): the scratch holds them.
+  cfg = native_plan.shape_config(shape, 256)
+  assert native_plan.mosaic_chunks(129280, cfg, 256, 132) == 66
+  # Without the fold (or with 64-request tiles): the chunk pass.
+  monkey = dataclasses.replace(cfg, fold_chunks=False)
+  unfolded = native_plan._lower_mosaic(  # pylint: disable=protected-access
+      shape, 256, cache, (9, 0), monkey, {"shape": "unfolded"}, 132)
+  assert set(unfolded) == {"embed_rows", "mosaic_block_pass", "chunk_pass",
+                           "select_pass"}
+  assert unfolded["mosaic_block_pass"][2][7:] == [
+      "block_max", "block_sum", "block_argmax", "cache"]
+  assert unfolded["chunk_pass"][2] == ["block_max", "block_sum",
+                                       "block_argmax", "chunk_max",
+                                       "chunk_sum", "chunk_argmax"]
+  assert native_plan.mosaic_chunks(129280, monkey, 256, 132) == 64
   assert not native_plan.bucket_dependent_launch(shape, 256, True)
   # Buckets the table leaves to Triton, and shapes Mosaic does not run.
   assert "block_pass" in native_plan.lower_bucket(shape, 64, cache, (9, 0))

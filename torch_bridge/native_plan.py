@@ -9,10 +9,11 @@ For a bucket of Bp requests the plan is::
 
 or, where the table picks the Mosaic GPU block pass (``DraftShape.mosaic``:
 a Hopper GPU, bf16, no map, sampling; kernels/mosaic_block_pass.py),
-``embed_rows`` (the previous tokens' embeddings), ``mosaic_block_pass``,
-``chunk_pass`` (its block-major statistics reduced over chunks of blocks)
-and ``select_pass`` a step, the Mosaic kernel launched by
-:mod:`torch_bridge.mosaic_launch` on the same stream;
+``embed_rows`` (the previous tokens' embeddings), ``mosaic_block_pass``
+(which with 128-request tiles also reduces its block-major statistics over
+chunks of blocks; else a ``chunk_pass`` follows it) and ``select_pass`` a
+step, the Mosaic kernel launched by :mod:`torch_bridge.mosaic_launch` on
+the same stream;
 
 every launch reading and writing buffers at fixed addresses: the spec's
 buffers, the scratch allocated here once for ``max_num_reqs``, and the base
@@ -391,35 +392,42 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
                params=_spec((3, bp * s), f32), step=_spec((1,), i32),
                cache=_spec((m * s, v), f32), cache_rows=_spec((bp * s,), i32))
 
+  fold = mosaic_module.epilogue_chunk(cfg, bp, v, num_sms)
+
   def block_call(base, emb, proj, params, step, cache, cache_rows):
     return mosaic_module.mosaic_block_pass(
         base, emb, proj, params, step, cache, cache_rows, num_steps=s,
         num_cache_rows=m * s, block_b=cfg.block_b, block_v=cfg.block_v,
         max_concurrent_steps=cfg.num_stages if cfg.num_stages >= 2 else None,
-        num_sms=num_sms)
+        num_sms=num_sms, chunk=fold)
 
   ir = mosaic_launch.lower(block_call, *specs.values(),
                            name="mosaic_block_pass")
   names = list(specs)
-  results = ["block_max", "block_sum", "block_argmax", "cache"]
+  results = ["block_max", "block_sum", "block_argmax"]
+  if fold is not None:
+    results += list(chunk_pass_module.OUTPUTS)
+  results.append("cache")
   out["mosaic_block_pass"] = (
       ir, None, [names[i] for i in ir.operands] + [
           results[k] if alias is None else names[ir.operands[alias]]
           for k, alias in enumerate(ir.results)])
 
   nb = num_blocks(v, cfg)
-  nc = chunk_pass_module.num_chunks(nb)
+  chunk = fold or chunk_pass_module.CHUNK
+  nc = chunk_pass_module.num_chunks(nb, chunk)
+  if fold is None:
+    def chunk_call(block_max, block_sum, block_argmax):
+      return chunk_pass_module.chunk_pass(block_max, block_sum, block_argmax)
 
-  def chunk_call(block_max, block_sum, block_argmax):
-    return chunk_pass_module.chunk_pass(block_max, block_sum, block_argmax)
-
-  specs = dict(block_max=_spec((nb, bp), f32), block_sum=_spec((nb, bp), f32),
-               block_argmax=_spec((nb, bp), i32))
-  out["chunk_pass"] = (
-      *_lower(ir_cache, {**desc, "kernel": "chunk_pass"}, chunk_call, specs,
-              capability),
-      operands(chunk_pass_module.INPUTS, chunk_pass_module.OUTPUTS, specs,
-               chunk_pass_module.OUTPUTS))
+    specs = dict(block_max=_spec((nb, bp), f32),
+                 block_sum=_spec((nb, bp), f32),
+                 block_argmax=_spec((nb, bp), i32))
+    out["chunk_pass"] = (
+        *_lower(ir_cache, {**desc, "kernel": "chunk_pass"}, chunk_call, specs,
+                capability),
+        operands(chunk_pass_module.INPUTS, chunk_pass_module.OUTPUTS, specs,
+                 chunk_pass_module.OUTPUTS))
 
   def select_call(block_max, block_sum, block_argmax, cache, step, params,
                   cache_rows, tokens, chunk_max, chunk_sum, chunk_argmax):
@@ -427,7 +435,7 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
                        params, cache_rows, tokens, config=cfg, num_steps=s,
                        vocab=v, stats_major="block",
                        chunk_stats=(chunk_max, chunk_sum, chunk_argmax),
-                       chunk=chunk_pass_module.CHUNK)
+                       chunk=chunk)
 
   specs = dict(block_max=_spec((nb, bp), f32), block_sum=_spec((nb, bp), f32),
                block_argmax=_spec((nb, bp), i32), cache=_spec((m * s, v), f32),
@@ -441,6 +449,14 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
       operands(select_pass_module.INPUTS, select_pass_module.OUTPUTS, specs,
                ("tokens",)))
   return out
+
+
+def mosaic_chunks(vocab: int, cfg: tuning.KernelConfig, bp: int,
+                  num_sms: int | None) -> int:
+  """NC, the chunk statistics' rows of a Mosaic GPU bucket."""
+  nb = num_blocks(vocab, cfg)
+  fold = mosaic_module.epilogue_chunk(cfg, bp, vocab, num_sms)
+  return chunk_pass_module.num_chunks(nb, fold or chunk_pass_module.CHUNK)
 
 
 class DraftPlans:
@@ -475,8 +491,9 @@ class DraftPlans:
     self.bmax = torch.empty(stats, dtype=torch.float32, device=device)
     self.bsum = torch.empty(stats, dtype=torch.float32, device=device)
     self.barg = torch.empty(stats, **i32)
-    # The chunk pass's statistics, [NC, Bp] (Mosaic GPU buckets only).
-    chunks = max([chunk_pass_module.num_chunks(num_blocks(grid, cfg)) * b
+    # The chunk statistics, [NC, Bp] (Mosaic GPU buckets only; NC at most
+    # the chunk pass's or the block pass's workers, whichever makes them).
+    chunks = max([mosaic_chunks(grid, cfg, b, self.num_sms) * b
                   for b in buckets
                   for cfg in [shape_config(shape, b)]
                   if cfg.method == "mosaic"], default=0)

@@ -23,6 +23,11 @@ reads where there was one long one.
 
 One program per (chunk, tile of ``block_b`` requests); it loads [chunk,
 block_b] tiles, each row contiguous.
+
+With 128-request tiles the Mosaic pass folds this reduction into its own
+epilogue (its ``chunk`` argument: each CTA a contiguous run of blocks), one
+launch a step fewer; this pass serves its 64-request tiles, and is the
+reference the fold is tested against.
 """
 
 from __future__ import annotations
@@ -54,11 +59,13 @@ def num_chunks(num_blocks: int, chunk: int = CHUNK) -> int:
 def _chunk_pass_kernel(ins, outs, *, chunk: int, block_b: int,
                        num_blocks: int, batch: int):
   c, j = pl.program_id(0), pl.program_id(1)
-  tile = (chunk, block_b)
-  blk = c * chunk + lax.broadcasted_iota(jnp.int32, tile, 0)
+  rows = pl.next_power_of_2(chunk)  # a tile's rows: chunk, padded
+  tile = (rows, block_b)
+  within = lax.broadcasted_iota(jnp.int32, tile, 0)
+  blk = c * chunk + within
   req = j * block_b + lax.broadcasted_iota(jnp.int32, tile, 1)
-  mask = (blk < num_blocks) & (req < batch)
-  at = (pl.ds(c * chunk, chunk), pl.ds(j * block_b, block_b))
+  mask = (within < chunk) & (blk < num_blocks) & (req < batch)
+  at = (pl.ds(c * chunk, rows), pl.ds(j * block_b, block_b))
   bmax = plgpu.load(ins["block_max"].at[at], mask=mask, other=-jnp.inf)
   barg = plgpu.load(ins["block_argmax"].at[at], mask=mask, other=-1)
   bsum = plgpu.load(ins["block_sum"].at[at], mask=mask, other=0.0)
@@ -94,7 +101,8 @@ def chunk_pass(block_max: jax.Array, block_sum: jax.Array,
       sum of exp(y - max) (the Mosaic GPU block pass's statistics).
     block_argmax: int32 [NB, B], each block's first index of its max
       (a vocabulary index; -1: a block with no drawable column).
-    chunk: blocks a chunk (static, a power of two).
+    chunk: blocks a chunk (static, >= 1; the Mosaic pass's chunks are its
+      workers' runs, e.g. 31).
     block_b: requests a program (static, a power of two).
     interpret: run in the Pallas interpreter (CPU).
 
@@ -106,9 +114,10 @@ def chunk_pass(block_max: jax.Array, block_sum: jax.Array,
   in): ``block_max, block_sum, block_argmax``, then the outputs
   ``chunk_max, chunk_sum, chunk_argmax``.
   """
-  for name, n in (("chunk", chunk), ("block_b", block_b)):
-    if n < 1 or n & (n - 1):
-      raise ValueError(f"{name} must be a power of two, got {n}")
+  if chunk < 1:
+    raise ValueError(f"chunk must be >= 1 blocks, got {chunk}")
+  if block_b < 1 or block_b & (block_b - 1):
+    raise ValueError(f"block_b must be a power of two, got {block_b}")
   num_blocks, batch = block_max.shape
   for name, x, dtype in (("block_sum", block_sum, jnp.float32),
                          ("block_argmax", block_argmax, jnp.int32),

@@ -61,6 +61,11 @@ class KernelConfig:
     proj_l2_rows: fused only: the first proj_l2_rows rows of proj stay in L2
       across the steps (an evict_last hint on their loads, evict_first on
       every other stream); 0: no cache hints.
+    fold_chunks: method="mosaic" with block_b = 128 only: each CTA walks one
+      contiguous chunk of vocabulary blocks and its epilogue also reduces
+      them to the chunk statistics the select pass reads, so there is no
+      chunk pass a step (kernels/chunk_pass.py; docs/perf-notes.md change
+      39). False, or block_b = 64: the chunk pass.
   """
   method: str = "fused"
   block_b: int = 16
@@ -77,6 +82,7 @@ class KernelConfig:
   proj_l2_rows: int = 0
   programs: int = 0
   held_blocks: int = 0
+  fold_chunks: bool = True
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),

@@ -27,7 +27,11 @@ Kernel layout (all static, chosen by :func:`plan`):
   axis to blockIdx.x, so the request tile is the fastest index: the CTAs
   that read the same proj tile run side by side and the second read hits
   L2. Worker c takes the vocabulary tiles c, c + G, c + 2G, ... of
-  ``cta_v`` columns each (G workers, about one CTA per SM).
+  ``cta_v`` columns each (G workers, about one CTA per SM); with ``chunk``,
+  the contiguous tiles c * chunk, ..., c * chunk + chunk - 1 instead, and
+  its consumers carry each row's running max, sum and first argmax over
+  them, stored once at the end as chunk statistics [NC, B] (what
+  kernels/chunk_pass.py computes in a launch of its own).
 * 3 warpgroups: warpgroup 2 issues every TMA load; warpgroups 0 and 1 each
   own a 64-request x ``block_v`` tile of every vocabulary tile: with
   ``block_b`` = 128 they split the requests (cta_v = block_v), with
@@ -130,6 +134,9 @@ class Plan:
   # proj chunk by TMA multicast; 1: no cluster.
   cluster: int = 1
   omit: tuple = ()    # stages left out, to time the others (OMITTABLE)
+  # Blocks a vocabulary worker covers, contiguous, reduced in the epilogue to
+  # chunk statistics [NC = grid_v, B]; 0: strided workers, no chunk outputs.
+  chunk: int = 0
 
   @property
   def num_blocks(self) -> int:
@@ -185,15 +192,43 @@ def _num_sms() -> int:
   return DEFAULT_NUM_SMS
 
 
+def default_chunk(batch: int, vocab: int, *, block_b: int | None = None,
+                  block_v: int = 128, num_sms: int | None = None) -> int:
+  """The ``chunk`` that keeps one CTA an SM: the vocabulary tiles split
+  into ``num_sms // (B / block_b)`` contiguous runs (block_b = 128 only:
+  the chunk statistics need each consumer to see every block of its rows).
+
+  At the DeepSeek-V4 shape, B = 256, block_v = 64 on 132 SMs: 2020 blocks
+  in 66 runs of 31, the strided workers' 30-31 tiles each.
+  """
+  if block_b is None:
+    block_b = 128 if batch % 128 == 0 else 64
+  workers = max(1, (num_sms or _num_sms()) // max(1, batch // block_b))
+  return -(-(vocab // block_v) // workers)
+
+
+def epilogue_chunk(config, batch: int, vocab: int,
+                   num_sms: int | None = None) -> int | None:
+  """The ``chunk`` a sampler passes for a KernelConfig (method "mosaic"):
+  :func:`default_chunk` where the config folds the chunk statistics into
+  this pass (``fold_chunks`` and block_b = 128), else None (a chunk pass
+  reduces the block statistics)."""
+  if not (config.fold_chunks and config.block_b == 128):
+    return None
+  return default_chunk(batch, vocab, block_b=128, block_v=config.block_v,
+                       num_sms=num_sms)
+
+
 def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
          block_b: int | None, block_v: int,
          max_concurrent_steps: int | None, num_sms: int | None,
          row_stores: str = "tma", omit: tuple = (),
-         base_slots: int = 2, multicast: bool = False) -> Plan:
+         base_slots: int = 2, multicast: bool = False,
+         chunk: int | None = None) -> Plan:
   """Checks the shapes and picks the tiles; raises ValueError if unsupported.
 
   row_stores ("tma" or "warp") is how state rows are stored; the dense
-  layout ignores it (one TMA box a tile).
+  layout ignores it (one TMA box a tile). chunk: see mosaic_block_pass.
   """
   if not set(omit) <= set(OMITTABLE):
     raise ValueError(f"omit must be a subset of {OMITTABLE}, got {omit!r}")
@@ -262,6 +297,22 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
   num_v_tiles = vocab // cta_v
   sms = num_sms or _num_sms()
   grid_v = max(1, min(num_v_tiles, sms // num_b_tiles))
+  if chunk is not None:
+    if split_v:
+      raise ValueError(
+          "chunk statistics need block_b = 128 (with 64 the two consumers "
+          "split each tile's columns, and neither sees every block of a row)")
+    if chunk < 1:
+      raise ValueError(f"chunk must be >= 1 blocks, got {chunk}")
+    if "stats" in omit:
+      raise ValueError("chunk statistics are folded from the block "
+                       "statistics: omit cannot drop 'stats'")
+    if multicast:
+      raise ValueError("chunk and multicast do not combine (a cluster's "
+                       "CTAs must walk the same tiles)")
+    # One worker a chunk: worker c takes blocks c * chunk ... (cta_v =
+    # block_v here, a tile is a block).
+    grid_v = -(-num_v_tiles // chunk)
   cluster = num_b_tiles if multicast else 1
   if cluster > MAX_CLUSTER or TILE_K % cluster or cta_v % (8 * cluster):
     raise ValueError(
@@ -272,7 +323,7 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
               block_b=block_b, block_v=block_v, cta_v=cta_v, split_v=split_v,
               num_k=num_k, stages=stages, out_slots=out_slots,
               row_stores=row_stores, omit=tuple(omit), base_slots=base_slots,
-              cluster=cluster,
+              cluster=cluster, chunk=chunk or 0,
               num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
 
 
@@ -349,8 +400,8 @@ def _store_rows_by_warp(x, row_i, col_i, stage, rows, cache, *, vocab: int):
 
 
 def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
-            rows_gmem, cache_gmem, bmax_gmem, bsum_gmem, barg_gmem, *,
-            p: Plan):
+            rows_gmem, cache_gmem, bmax_gmem, bsum_gmem, barg_gmem,
+            cmax_gmem=None, csum_gmem=None, carg_gmem=None, *, p: Plan):
   """One CTA: request tile lax.axis_index("b"), worker lax.axis_index("v").
 
   base_gmem is a [B, S, V] view: a TMA box indexes the step as a squeezed
@@ -359,7 +410,8 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
   (rows_gmem None): cache_gmem is a [B, S, V] view, stored like base. State
   rows: rows_gmem is the [B, S] view of the cache rows and cache_gmem the
   [N, V] cache, stored one row at a time (a row < 0 is padding: not stored).
-  b{max,sum,arg}_gmem are [NB, B].
+  b{max,sum,arg}_gmem are [NB, B]; c{max,sum,arg}_gmem (p.chunk > 0 only)
+  are [NC, B], row c the chunk of worker c.
   """
   block_b, block_v, cta_v = p.block_b, p.block_v, p.cta_v
   num_k, stages, out_slots = p.num_k, p.stages, p.out_slots
@@ -370,13 +422,23 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
   worker = lax.axis_index("v")
   wg = lax.axis_index("wg")
   b0 = b_tile * block_b
-  # Tiles worker, worker + G, ...: every worker gets floor or ceil of
-  # num_v_tiles / G of them.
-  grid_v = jnp.int32(p.grid_v)
-  num_t = lax.div(jnp.int32(p.num_v_tiles) - worker + grid_v - 1, grid_v)
+  if p.chunk:
+    # Tiles worker * chunk ... worker * chunk + chunk - 1 (the last worker
+    # fewer): a chunk of contiguous blocks, reduced in the epilogue.
+    first_t = worker * p.chunk
+    num_t = jnp.minimum(jnp.int32(p.chunk),
+                        jnp.int32(p.num_v_tiles) - first_t)
 
-  def tile_v0(t):
-    return (worker + t * grid_v) * cta_v
+    def tile_v0(t):
+      return (first_t + t) * cta_v
+  else:
+    # Tiles worker, worker + G, ...: every worker gets floor or ceil of
+    # num_v_tiles / G of them.
+    grid_v = jnp.int32(p.grid_v)
+    num_t = lax.div(jnp.int32(p.num_v_tiles) - worker + grid_v - 1, grid_v)
+
+    def tile_v0(t):
+      return (worker + t * grid_v) * cta_v
 
   warp_rows = rows_gmem is not None and p.row_stores == "warp"
 
@@ -450,8 +512,9 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       for k in range(num_k):
         plgpu.barrier_wait(emb_bar.at[k])
 
-      @pl.loop(0, num_t)
-      def _tile(t):
+      def tile(t):
+        """Tile t: MMA, cache stores, block statistics; returns this
+        consumer's (max, sum, argmax) rows, None with stats omitted."""
         v0 = tile_v0(t) + col_off  # this warpgroup's first column
         slot = lax.rem(t, p.base_slots)
 
@@ -524,7 +587,7 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
             plgpu.commit_smem_to_gmem_group()
 
         if "stats" in p.omit:
-          return
+          return None
         # block_statistics: NaN counts as -inf; the first max column wins.
         y = jnp.where(x == x, x, -jnp.inf) * scale_tile
         y_max = y.max(axis=1)
@@ -551,6 +614,47 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
         plgpu.copy_smem_to_gmem(sum_smem.at[wg], bsum_gmem.at[j, rows],
                                 commit_group=False)
         plgpu.copy_smem_to_gmem(arg_smem.at[wg], barg_gmem.at[j, rows])
+        return y_max, y_sum, first + v0
+
+      if not p.chunk:
+        @pl.loop(0, num_t)
+        def _tile(t):
+          tile(t)
+      else:
+        def fold(t, carry):
+          # chunk_pass's reduction, online over the chunk's blocks in
+          # vocabulary order: sums relative to the running max where finite
+          # (else 0); the first block holding the max gives the argmax.
+          c_max, c_sum, c_arg = carry
+          b_max, b_sum, b_arg = tile(t)
+          n_max = jnp.maximum(c_max, b_max)
+          finite = lambda m: (m > -jnp.inf) & (m < jnp.inf)
+          old = jnp.where(finite(c_max), c_max, 0.0)
+          new = jnp.where(finite(n_max), n_max, 0.0)
+          # A zero sum (only -inf blocks so far) stays 0: exp(old - new) may
+          # overflow, and 0 * inf is NaN.
+          n_sum = (jnp.where(c_sum > 0, c_sum * jnp.exp(old - new), 0.0)
+                   + b_sum * jnp.exp(b_max - new))
+          n_arg = jnp.where((b_max > c_max) | (c_arg < 0), b_arg, c_arg)
+          return n_max, n_sum, n_arg
+
+        init = (jnp.full((WG_ROWS,), -jnp.inf, f32),
+                jnp.zeros((WG_ROWS,), f32),
+                jnp.full((WG_ROWS,), -1, jnp.int32))
+        init = tuple(plgpu.layout_cast(x, row_layout) for x in init)
+        c_max, c_sum, c_arg = lax.fori_loop(0, num_t, fold, init)
+        # The last tile's statistics group has been read.
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        max_smem[wg] = c_max
+        sum_smem[wg] = c_sum
+        arg_smem[wg] = c_arg
+        plgpu.commit_smem()
+        rows = pl.ds(r0, WG_ROWS)
+        plgpu.copy_smem_to_gmem(max_smem.at[wg], cmax_gmem.at[worker, rows],
+                                commit_group=False)
+        plgpu.copy_smem_to_gmem(sum_smem.at[wg], csum_gmem.at[worker, rows],
+                                commit_group=False)
+        plgpu.copy_smem_to_gmem(arg_smem.at[wg], carg_gmem.at[worker, rows])
 
       # Shared memory must outlive the stores that read it.
       plgpu.wait_smem_to_gmem(0)
@@ -621,7 +725,7 @@ def _check_operands(base, emb, proj, params, step, cache, cache_rows,
     jax.jit,
     static_argnames=("num_steps", "num_cache_rows", "block_b", "block_v",
                      "max_concurrent_steps", "num_sms", "row_stores",
-                     "_omit", "_base_slots", "_multicast"),
+                     "chunk", "_omit", "_base_slots", "_multicast"),
     donate_argnames=("cache",))
 def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       params: jax.Array, step: jax.Array,
@@ -631,7 +735,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       block_b: int | None = None, block_v: int = 128,
                       max_concurrent_steps: int | None = None,
                       num_sms: int | None = None,
-                      row_stores: str = "warp", _omit: tuple = (),
+                      row_stores: str = "warp", chunk: int | None = None,
+                      _omit: tuple = (),
                       _base_slots: int = 2, _multicast: bool = False):
   """Runs one step of the fused block pass on Hopper (Mosaic GPU).
 
@@ -667,6 +772,13 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       stores a TMA box a [64, 64] tile): "warp" (default), through a padded
       shared-memory tile, one warp store a 256-byte row; "tma", one TMA
       store a row (slow: kept to check the other against).
+    chunk: blocks a chunk (static; block_b = 128 only), or None. Given, each
+      vocabulary worker takes ``chunk`` contiguous blocks (NC = ceil(NB /
+      chunk) workers a request tile; :func:`default_chunk` keeps one CTA an
+      SM) and also returns their chunk statistics, as
+      :func:`jax_markov.kernels.chunk_pass.chunk_pass` computes them from
+      the block statistics (sums in another order): the select pass's
+      ``chunk_stats`` without a chunk pass.
     _omit: stages to leave out, for timing the rest only (a subset of
       OMITTABLE; the outputs are then wrong): "mma", "cache", "stats".
     _base_slots: base tiles in flight (>= 2; an experiment's knob).
@@ -679,12 +791,15 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     block_v; the select pass takes them with ``stats_major="block"``):
     float32 [NB, B] max of y = x * params[0] (NaN counts as -inf), float32
     [NB, B] sum of exp(y - m) with m the max where finite, else 0, int32
-    [NB, B] vocabulary index of the first max.
+    [NB, B] vocabulary index of the first max. With ``chunk``, then
+    (chunk_max, chunk_sum, chunk_argmax), float32 / float32 / int32
+    [NC, B].
 
   Operands of the Mosaic GPU call (the order a native runtime binds
   pointers in): base, emb, proj, params, step, [cache_rows], [cache], then
-  the outputs block_max, block_sum, block_argmax [, cache when None was
-  given]; a given cache is aliased in and out.
+  the outputs block_max, block_sum, block_argmax [, chunk_max, chunk_sum,
+  chunk_argmax] [, cache when None was given]; a given cache is aliased in
+  and out.
 
   Raises:
     ValueError: shapes or dtypes other than the above, B % block_b != 0,
@@ -696,7 +811,7 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
            block_b=block_b, block_v=block_v,
            max_concurrent_steps=max_concurrent_steps, num_sms=num_sms,
            row_stores=row_stores, omit=_omit, base_slots=_base_slots,
-           multicast=_multicast)
+           multicast=_multicast, chunk=chunk)
   B, S, V = p.batch, p.steps, p.vocab
   if num_cache_rows is None:
     num_cache_rows = B * S
@@ -706,6 +821,12 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     raise ImportError("Pallas Mosaic GPU is unavailable") from _IMPORT_ERROR
   stats = jax.ShapeDtypeStruct((p.num_blocks, B), jnp.float32)
   out_type = (stats, stats, jax.ShapeDtypeStruct((p.num_blocks, B), jnp.int32))
+  names_out = ["bmax", "bsum", "barg"]
+  if p.chunk:
+    chunks = jax.ShapeDtypeStruct((p.grid_v, B), jnp.float32)
+    out_type += (chunks, chunks,
+                 jax.ShapeDtypeStruct((p.grid_v, B), jnp.int32))
+    names_out += ["cmax", "csum", "carg"]
   # [B, S, *] views are bitcasts. A Ref operand of a Mosaic GPU kernel is
   # aliased in and out, which is the in-place cache update.
   operands = [base.reshape(B, S, V), emb, proj, params.reshape(3, B, S), step]
@@ -719,7 +840,7 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     cache_ref = jax.new_ref(cache.reshape(B, S, V) if dense else cache)
     operands.append(cache_ref)
     names.append("cache")
-  names += ["bmax", "bsum", "barg"]
+  names += names_out
   if cache is None:
     # A new cache is a kernel output: only this step's rows are written (the
     # sampler's steps after it write the others), so there is no memset.
@@ -729,7 +850,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
   def body(*refs):
     r = dict(zip(names, refs, strict=True))
     _kernel(r["base"], r["emb"], r["proj"], r["params"], r["step"],
-            r.get("rows"), r["cache"], r["bmax"], r["bsum"], r["barg"], p=p)
+            r.get("rows"), r["cache"], r["bmax"], r["bsum"], r["barg"],
+            r.get("cmax"), r.get("csum"), r.get("carg"), p=p)
 
   # pl.kernel on a plgpu.Mesh rather than plgpu.kernel: the latter wraps the
   # call in a custom_vmap that does not take Ref operands (the aliased cache).
@@ -750,8 +872,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
   )
   out = kernel(*operands)
   if cache is None:
-    bmax, bsum, barg, new_cache = out
+    *stats_out, new_cache = out
   else:
-    bmax, bsum, barg = out
+    stats_out = list(out)
     new_cache = jax.freeze(cache_ref)
-  return new_cache.reshape(num_cache_rows, V), bmax, bsum, barg
+  return (new_cache.reshape(num_cache_rows, V), *stats_out)

@@ -200,10 +200,12 @@ def draw_token_chunked(bmax_ref, bsum_ref, cmax_ref, csum_ref, carg_ref,
   k0 = jnp.clip(jnp.minimum(k0, last_chunk), 0, num_chunks - 1)
   prefix = jnp.sum(jnp.where(ch < k0, chunk_mass, 0.0))
 
-  # Level 1: the blocks of chunk k0.
-  j = jnp.arange(chunk)
-  blk_mask = k0 * chunk + j < num_blocks
-  blocks = pl.ds(k0 * chunk, chunk)
+  # Level 1: the blocks of chunk k0 (a chunk need not be a power of two:
+  # the Mosaic pass's chunks are its workers' runs of blocks).
+  chunk_pow2 = pl.next_power_of_2(chunk)
+  j = jnp.arange(chunk_pow2)
+  blk_mask = (j < chunk) & (k0 * chunk + j < num_blocks)
+  blocks = pl.ds(k0 * chunk, chunk_pow2)
   bmax = plgpu.load(bmax_ref.at[blocks, b], mask=blk_mask, other=-jnp.inf)
   bsum = plgpu.load(bsum_ref.at[blocks, b], mask=blk_mask, other=0.0)
   mass = bsum * jnp.exp(bmax - m_safe)
@@ -212,7 +214,7 @@ def draw_token_chunked(bmax_ref, bsum_ref, cmax_ref, csum_ref, carg_ref,
   last_block = jnp.max(jnp.where(mass > 0, j, -1))
   # Every block's mass can underflow to 0 where the chunk's product did not:
   # then the chunk's max block, whose argmax is the likeliest token left.
-  top_block = jnp.min(jnp.where(bmax == jnp.max(bmax), j, chunk))
+  top_block = jnp.min(jnp.where(bmax == jnp.max(bmax), j, chunk_pow2))
   kk = jnp.clip(jnp.where(last_block >= 0, jnp.minimum(kk, last_block),
                           top_block), 0, chunk - 1)
   k = jnp.minimum(k0 * chunk + kk, num_blocks - 1)
@@ -369,8 +371,8 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
     raise ValueError("chunk_stats and chunk go together (the chunk pass's "
                      "outputs and its chunk size)")
   if chunk_stats is not None:
-    if chunk < 1 or chunk & (chunk - 1):
-      raise ValueError(f"chunk must be a power of two, got {chunk}")
+    if chunk < 1:
+      raise ValueError(f"chunk must be >= 1 blocks, got {chunk}")
     if not block_major or no_cache:
       raise ValueError("chunk_stats reduce block-major statistics for "
                        "sampling: stats_major='block', no_cache=False")
