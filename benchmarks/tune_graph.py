@@ -158,6 +158,9 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
   mosaic = cfg.method == "mosaic"
   old = tuning.TABLE.get(key)
   tuning.TABLE[key] = cfg
+  # A per-GPU entry for the key would win over the candidate: set aside.
+  per_gpu = {k: tuning.GPU_TABLE.pop(k) for k in list(tuning.GPU_TABLE)
+             if k[1:] == key}
   tuning.choose.cache_clear()
   try:
     graph, spec, _ = captured_draft(shape, batch, inputs, temperature,
@@ -180,6 +183,7 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
       tuning.TABLE.pop(key, None)
     else:
       tuning.TABLE[key] = old
+    tuning.GPU_TABLE.update(per_gpu)
     tuning.choose.cache_clear()
 
 
@@ -212,7 +216,8 @@ def main(argv=None):
   for batch in args.batches:
     inputs = common.torch_inputs(shape, batch, 0, torch.device("cuda"))
     default = tuning.choose("mosaic" if args.grid == "mosaic" else "fused",
-                            batch, shape.V, shape.R, interpret=False)
+                            batch, shape.V, shape.R, interpret=False,
+                            gpu=torch.cuda.get_device_name())
     seen, ref_tokens = [], None
     grid = dict(tiles=candidates, persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),

@@ -395,6 +395,12 @@ def _hopper() -> bool:
   return mosaic_block_pass.available()[0]
 
 
+@functools.cache
+def _gpu_name() -> str:
+  """The default device's name, for the tuning table's per-GPU entries."""
+  return getattr(jax.devices()[0], "device_kind", "")
+
+
 def _config(config, method, batch, vocab, rank, interpret, stepwise=False,
             hopper=False):
   """The launch configuration: the caller's, or the tuning table's.
@@ -415,7 +421,7 @@ def _config(config, method, batch, vocab, rank, interpret, stepwise=False,
     return config
   hopper = hopper and not interpret and _mosaic_available()
   config = tuning.choose(method, batch, vocab, rank, interpret=interpret,
-                         hopper=hopper)
+                         hopper=hopper, gpu=_gpu_name() if hopper else None)
   return tuning.stepwise(config) if stepwise else config
 
 

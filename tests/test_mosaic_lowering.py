@@ -331,6 +331,31 @@ def test_choose_picks_mosaic_only_where_asked_and_it_runs():
     choose("mosaic", 256, V, R, interpret=True)
 
 
+def test_per_gpu_entries():
+  """GPU_TABLE's entry for the named GPU's family wins over TABLE's (the
+  H100 runs 4 proj chunks in flight at B = 256, the H200 TABLE's 8); other
+  GPUs, no name, other shapes and batches keep TABLE's."""
+  V, R = DSV4["V"], DSV4["R"]
+  assert tuning.gpu_family("NVIDIA H100 80GB HBM3") == "h100"
+  assert tuning.gpu_family("NVIDIA H200") == "h200"
+  assert tuning.gpu_family("NVIDIA A100-SXM4-80GB") is None
+  assert tuning.gpu_family(None) is None
+  table = tuning.TABLE[("mosaic", V, R, 256)]
+  kw = dict(interpret=False, hopper=True)
+  h100 = tuning.choose(None, 256, V, R, gpu="NVIDIA H100 80GB HBM3", **kw)
+  assert h100 == tuning.GPU_TABLE[("h100", "mosaic", V, R, 256)]
+  assert (h100.method, h100.num_stages) == ("mosaic", 4)
+  assert tuning.choose("mosaic", 256, V, R, interpret=False,
+                       gpu="NVIDIA H100 80GB HBM3") == h100
+  for gpu in ("NVIDIA H200", None, "NVIDIA GH200 480GB"):
+    assert tuning.choose(None, 256, V, R, gpu=gpu, **kw) == table
+  # Not on the CPU, and not for the Triton entries.
+  assert tuning.choose(None, 256, V, R, interpret=True, hopper=True,
+                       gpu="NVIDIA H100 80GB HBM3").method == "fused"
+  assert tuning.choose(None, 64, V, R, gpu="NVIDIA H100 80GB HBM3",
+                       **kw) == tuning.TABLE[("fused", V, R, 64)]
+
+
 def test_sampler_lowers_mosaic_into_state_rows():
   from jax_markov import sampler
   B, S, V, R, N = 256, DSV4["S"], DSV4["V"], DSV4["R"], 300

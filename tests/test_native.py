@@ -168,6 +168,10 @@ def test_mosaic_bucket_is_planned(tmp_path):
       "block_max", "block_sum", "block_argmax", "cache", "step", "params",
       "cache_rows", "tokens", "chunk_max", "chunk_sum", "chunk_argmax",
       "tokens"]
+  # The device's name picks a per-GPU entry (tuning.GPU_TABLE).
+  h100 = dataclasses.replace(shape, gpu="NVIDIA H100 80GB HBM3")
+  assert native_plan.shape_config(h100, 256).num_stages == 4
+  assert native_plan.shape_config(shape, 256).num_stages == 8
   # 2020 blocks in 66 chunks of 31 (one CTA an SM): the scratch holds them.
   cfg = native_plan.shape_config(shape, 256)
   assert native_plan.mosaic_chunks(129280, cfg, 256, 132) == 66

@@ -81,6 +81,8 @@ class DraftShape:
     mosaic: the GPU can run the Mosaic GPU block pass (see
       :func:`mosaic_allowed`); the table then picks it where it has an
       entry (:func:`shape_config`).
+    gpu: the device's name, for the table's per-GPU entries
+      (tuning.GPU_TABLE); "" for none.
   """
   max_num_reqs: int
   steps: int
@@ -95,6 +97,7 @@ class DraftShape:
   draft_vocab: int | None = None
   greedy: bool = False
   mosaic: bool = False
+  gpu: str = ""
 
   @property
   def vd(self) -> int:
@@ -194,7 +197,7 @@ def shape_config(shape: DraftShape, bucket: int) -> tuning.KernelConfig:
       and shape.base_dtype == torch.bfloat16
       and shape.head_dtype == torch.bfloat16):
     cfg = tuning.choose(None, bucket, shape.vocab, shape.rank,
-                        interpret=False, hopper=True)
+                        interpret=False, hopper=True, gpu=shape.gpu or None)
     if cfg.method == "mosaic":
       return cfg
   return config(bucket, shape.grid_vocab, shape.rank,

@@ -91,6 +91,7 @@ class NativeRuntime:
                              for k in _WORDS})
     cmap = mode.cmap
     vocab = self.hook.vocab_size if cmap is None else cmap.target_vocab
+    mosaic = self._mosaic()
     return native_plan.DraftShape(
         max_num_reqs=self.hook.max_num_reqs, steps=s_len, vocab=vocab,
         rank=self.hook.rank, vocab_in=t["embed"].shape[0],
@@ -99,7 +100,8 @@ class NativeRuntime:
         words=tuple((k, _words(t[k])) for k in _WORDS), layout=layout,
         draft_vocab=None if cmap is None else self.hook.vocab_size,
         greedy=mode.greedy,
-        mosaic=self._mosaic())
+        mosaic=mosaic,
+        gpu=torch.cuda.get_device_name(self._device) if mosaic else "")
 
   def plans(self, spec, s_len: int, base_dtype,
             mode: modes.Mode) -> native_plan.DraftPlans:

@@ -38,7 +38,8 @@ import functools
 
 from jax_markov.kernels.config import METHODS, KernelConfig
 
-__all__ = ["METHODS", "KernelConfig", "TABLE", "choose", "default_method"]
+__all__ = ["METHODS", "KernelConfig", "TABLE", "GPU_TABLE", "choose",
+           "default_method", "gpu_family"]
 
 
 def _next_pow2(n: int) -> int:
@@ -83,6 +84,38 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
 }
 
 
+# Entries for one GPU family, looked up before TABLE (whose entries were
+# measured on an H200) where the caller names its GPU. Keys: (family, method,
+# vocab, rank, batch bucket).
+GPU_TABLE: dict[tuple[str, str, int, int, int], KernelConfig] = {
+    # The H100 (HBM3) prefers 4 proj chunks in flight to the H200's 8: the
+    # captured native draft at B = 256, T = 1, 0.818 / 0.819 against 0.888
+    # in two sessions on two machines (benchmarks/results/
+    # tune-graph-fold*-nvidia-h100-dsv4.json; docs/perf-notes.md change 40).
+    ("h100", "mosaic", 129280, 256, 256): KernelConfig(
+        method="mosaic", block_b=128, block_v=64, num_stages=4),
+}
+
+
+def gpu_family(name: str | None) -> str | None:
+  """The GPU_TABLE family of a device name ("NVIDIA H100 80GB HBM3" ->
+  "h100"), or None for a GPU with no entries of its own."""
+  name = (name or "").lower()
+  for family in ("h200", "h100"):  # "h200" first: neither name holds both
+    if family in name:
+      return family
+  return None
+
+
+def _entry(method: str, vocab: int, rank: int, batch: int,
+           gpu: str | None) -> KernelConfig | None:
+  family = gpu_family(gpu)
+  key = (method, vocab, rank, _batch_bucket(batch))
+  if family is not None and (family, *key) in GPU_TABLE:
+    return GPU_TABLE[(family, *key)]
+  return TABLE.get(key)
+
+
 def default_method(batch: int, vocab: int, rank: int) -> str:
   """The faster method for a shape, by the sweep (docs/perf-notes.md).
 
@@ -112,8 +145,12 @@ def _mosaic_rule(batch: int) -> KernelConfig:
 
 @functools.lru_cache(maxsize=256)  # runs on every call of the sampler
 def choose(method: str | None, batch: int, vocab: int, rank: int, *,
-           interpret: bool, hopper: bool = False) -> KernelConfig:
+           interpret: bool, hopper: bool = False,
+           gpu: str | None = None) -> KernelConfig:
   """The configuration for a shape: the table's entry, else the rule above.
+
+  gpu: the device's name (e.g. torch.cuda.get_device_name()); a GPU_TABLE
+  entry for its family wins over TABLE's. None: TABLE only.
 
   hopper: the caller can run the Mosaic GPU block pass (a Hopper GPU, bf16
   operands, the dense layout, no reduced vocabulary: see
@@ -123,7 +160,7 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
   """
   if method is None:
     method = default_method(batch, vocab, rank)
-    entry = TABLE.get(("mosaic", vocab, rank, _batch_bucket(batch)))
+    entry = _entry("mosaic", vocab, rank, batch, gpu)
     if (hopper and not interpret and entry is not None
         and batch % entry.block_b == 0):
       return entry
@@ -133,8 +170,7 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
     if interpret:
       raise ValueError("method='mosaic' has no interpreter: it runs on a "
                        "Hopper GPU only (use 'fused' on the CPU)")
-    return TABLE.get((method, vocab, rank, _batch_bucket(batch)),
-                     _mosaic_rule(batch))
+    return _entry(method, vocab, rank, batch, gpu) or _mosaic_rule(batch)
   if interpret:
     # The interpreter loops over the grid on the CPU: few, large programs.
     if method == "xla_bias":
@@ -145,7 +181,7 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
                         block_v=min(512, max(16, _next_pow2(vocab))),
                         block_k=min(64, max(16, _next_pow2(rank))),
                         num_warps=4)
-  entry = TABLE.get((method, vocab, rank, _batch_bucket(batch)))
+  entry = _entry(method, vocab, rank, batch, gpu)
   if entry is not None:
     return entry
   if method == "xla_bias":
