@@ -1,7 +1,9 @@
 """Block sizes, warps and request tiles per shape: a committed table, no search.
 
-``choose`` looks the shape up in ``TABLE`` (entries measured on an H200 with
-``benchmarks/tune.py``; see docs/perf-notes.md) and otherwise falls back to a
+``choose`` looks the shape up in ``GPU_TABLE`` for the caller's GPU family
+where it names its device (an H100 differs from the H200 at B = 256), then
+in ``TABLE`` (entries measured on an H200 with ``benchmarks/tune.py`` and
+``tune_graph.py``; see docs/perf-notes.md), and otherwise falls back to a
 rule:
 
 * fused (the default at every batch): at B = 1 one request a program with
