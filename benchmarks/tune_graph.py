@@ -52,10 +52,29 @@ def candidates(batch: int):
                           (128, 128, 4, 2), (512, 64, 8, 2)):
       yield KernelConfig(method="fused", block_b=16, block_v=bv, block_k=bk,
                          num_warps=w, num_stages=st)
+    if 1 < batch <= 8:
+      # One tile of all the requests on the CUDA cores: proj read once from
+      # HBM as at B = 1, B times B = 1's products (narrow rank chunks keep
+      # the [B, block_v, block_k] product in registers), with and without
+      # B = 1's L2-kept rows (which lost on the tensor-core tiles only).
+      bb = 1 << (batch - 1).bit_length()
+      for bv, bk, w, st, keep in ((128, 16, 4, 3, 0), (128, 32, 4, 3, 0),
+                                  (256, 16, 8, 3, 0), (256, 32, 8, 3, 0),
+                                  (64, 32, 4, 3, 0), (128, 16, 4, 3, 49152),
+                                  (128, 32, 4, 3, 49152),
+                                  (256, 16, 8, 3, 49152)):
+        yield KernelConfig(method="fused", block_b=bb, block_v=bv,
+                           block_k=bk, num_warps=w, num_stages=st,
+                           bias_dot="fma", proj_l2_rows=keep)
     return
   for bb, bv, bk, w, st in ((32, 128, 64, 4, 3), (32, 256, 64, 8, 3),
                             (64, 128, 64, 4, 3), (64, 128, 64, 4, 4),
-                            (64, 256, 64, 8, 3), (128, 128, 64, 8, 3)):
+                            (64, 256, 64, 8, 3), (128, 128, 64, 8, 3),
+                            # 64-column blocks: twice the programs (2020).
+                            (64, 64, 64, 4, 3), (64, 64, 64, 4, 4),
+                            # narrower rank chunks, deeper pipelines
+                            (64, 128, 32, 4, 4), (64, 128, 32, 4, 5),
+                            (64, 256, 32, 8, 3)):
     yield KernelConfig(method="fused", block_b=min(bb, max(16, batch)),
                        block_v=bv, block_k=bk, num_warps=w, num_stages=st)
 

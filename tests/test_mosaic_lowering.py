@@ -325,6 +325,21 @@ def test_choose_picks_mosaic_only_where_asked_and_it_runs():
   assert choose(None, 256, V, R, interpret=True, hopper=True).method == "fused"
   assert choose(None, 200, V, R, interpret=False, hopper=True).method == "fused"
   assert choose(None, 64, V, R, interpret=False, hopper=True).method == "fused"
+  # Shapes without entries: the Mosaic rule from B = 256 where B fills
+  # 128-request tiles and V and R tile by 64 (4 proj chunks in flight on
+  # the H100, as its entry at the DeepSeek-V4 shape).
+  for vocab in (151936, 200064):
+    rule = choose(None, 256, vocab, R, interpret=False, hopper=True)
+    assert (rule.method, rule.block_b, rule.block_v, rule.num_stages) == (
+        "mosaic", 128, 64, 0)
+    h100 = choose(None, 512, vocab, R, interpret=False, hopper=True,
+                  gpu="NVIDIA H100 80GB HBM3")
+    assert (h100.method, h100.num_stages) == ("mosaic", 4)
+    assert choose(None, 256, vocab, R, interpret=False).method == "fused"
+    assert choose(None, 128, vocab, R, interpret=False,
+                  hopper=True).method == "fused"
+  assert choose(None, 256, 151936 + 32, R, interpret=False,
+                hopper=True).method == "fused"
   asked = choose("mosaic", 192, 4096, 128, interpret=False)
   assert (asked.method, asked.block_b) == ("mosaic", 64)
   with pytest.raises(ValueError, match="no interpreter"):

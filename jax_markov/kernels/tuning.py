@@ -140,9 +140,24 @@ def stepwise(config: KernelConfig) -> KernelConfig:
       held_blocks=0)
 
 
-def _mosaic_rule(batch: int) -> KernelConfig:
+def _mosaic_rule(batch: int, gpu: str | None = None) -> KernelConfig:
+  # The H100 keeps 4 proj chunks in flight, as its DeepSeek-V4 entry does
+  # (GPU_TABLE); elsewhere as many as fit.
   return KernelConfig(method="mosaic", block_b=128 if batch % 128 == 0 else 64,
-                      block_v=64, num_stages=0)
+                      block_v=64,
+                      num_stages=4 if gpu_family(gpu) == "h100" else 0)
+
+
+# Shapes with no Mosaic GPU entry of their own take the Mosaic rule from
+# this batch bucket up, where B fills 128-request tiles and the shape tiles
+# (docs/perf-notes.md change 41: at B = 256 the Triton pass is bound by L2
+# traffic at every vocabulary).
+MOSAIC_RULE_FROM = 256
+
+
+def _mosaic_rule_applies(batch: int, vocab: int, rank: int) -> bool:
+  return (_batch_bucket(batch) >= MOSAIC_RULE_FROM and batch % 128 == 0
+          and vocab % 64 == 0 and rank % 64 == 0)
 
 
 @functools.lru_cache(maxsize=256)  # runs on every call of the sampler
@@ -163,6 +178,9 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
   if method is None:
     method = default_method(batch, vocab, rank)
     entry = _entry("mosaic", vocab, rank, batch, gpu)
+    if (entry is None and (method, vocab, rank, _batch_bucket(batch))
+        not in TABLE and _mosaic_rule_applies(batch, vocab, rank)):
+      entry = _mosaic_rule(batch, gpu)
     if (hopper and not interpret and entry is not None
         and batch % entry.block_b == 0):
       return entry
@@ -172,7 +190,8 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
     if interpret:
       raise ValueError("method='mosaic' has no interpreter: it runs on a "
                        "Hopper GPU only (use 'fused' on the CPU)")
-    return _entry(method, vocab, rank, batch, gpu) or _mosaic_rule(batch)
+    return (_entry(method, vocab, rank, batch, gpu)
+            or _mosaic_rule(batch, gpu))
   if interpret:
     # The interpreter loops over the grid on the CPU: few, large programs.
     if method == "xla_bias":
