@@ -116,6 +116,17 @@ def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                              num_stages=stages, fold_chunks=fold)
 
 
+def select_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The table's fused tile with 1 to 8 warps a select-pass program (the
+  table's 4 was chosen with the block pass, never swept on its own)."""
+  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if cfg.select != "pass":
+    return
+  for warps in (1, 2, 8):
+    if warps != cfg.select_warps:
+      yield dataclasses.replace(cfg, select_warps=warps)
+
+
 def persistent_candidates(batch: int):
   """The persistent draft (one launch a draft) on 16-row tiles on the tensor
   cores (Triton stages their proj chunks through shared memory, so
@@ -215,12 +226,15 @@ def main(argv=None):
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
-                 choices=("tiles", "persistent", "mosaic", "l2", "table"),
+                 choices=("tiles", "persistent", "mosaic", "l2", "select",
+                          "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
                  "Hopper); l2: the table's tile keeping proj rows in L2 "
-                 "(l2_candidates); table: the table's fused entry only")
+                 "(l2_candidates); select: the table's tile with other "
+                 "select-pass warps (select_candidates); table: the table's "
+                 "fused entry only")
   p.add_argument("--dependent-launch", default="auto",
                  choices=("auto", "on", "off", "both"),
                  help="the hook's dependent_launch (auto: its default, on "
@@ -241,6 +255,7 @@ def main(argv=None):
     grid = dict(tiles=candidates, persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
+                select=lambda b: select_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]

@@ -6,6 +6,7 @@ reference, at T > 0 a consistent chain (each step's logits built on the token
 drawn at the step before).
 """
 
+import dataclasses
 import json
 import os
 
@@ -393,6 +394,13 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert {c.block_b for c in cfgs} == sizes
     assert all(c.method == "mosaic" and batch % c.block_b == 0 for c in cfgs)
   assert not list(tune_graph.mosaic_candidates(32))
+  for batch in (4, 64):  # the table's tile, other select warps only
+    cfgs = list(tune_graph.select_candidates(batch))
+    table = tuning.choose("fused", batch, 129280, 256, interpret=False)
+    assert {c.select_warps for c in cfgs} == {1, 2, 8}
+    assert all(c == dataclasses.replace(table, select_warps=c.select_warps)
+               for c in cfgs)
+  assert not list(tune_graph.select_candidates(1))  # the tail select
   if not torch.cuda.is_available():
     assert tune_graph.main(["--batches", "4"]) == 2
 

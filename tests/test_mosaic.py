@@ -63,6 +63,20 @@ def test_table_picks_mosaic_at_b256():
   check_sample_draft(draft, *args)
 
 
+@pytest.mark.parametrize("V", [151936, 200064])
+def test_rule_picks_mosaic_at_other_vocabularies(V):
+  """Shapes with no table entry take the Mosaic rule at B = 256 (the 152k
+  and 200k vocabularies: 2374 and 3126 blocks of 64, chunks of 36 and 48
+  blocks folded in the epilogue); the draft is the contract's."""
+  args = make_problem(256, DSV4["S"], V, DSV4["R"], jnp.bfloat16, seed=V % 97,
+                      head_scale=0.1, temperature=np.linspace(0.0, 1.5, 256))
+  config = jm.sampler._config(None, None, 256, V, DSV4["R"], False,
+                              hopper=True)
+  assert (config.method, config.block_b) == ("mosaic", 128)
+  draft = jm.sample_draft(*args)
+  check_sample_draft(draft, *args)
+
+
 @pytest.mark.parametrize("block_b,block_v,num_stages", [(128, 64, 2),
                                                         (64, 128, 3),
                                                         (128, 128, 0)])
