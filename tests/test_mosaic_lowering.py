@@ -253,6 +253,8 @@ def test_sampler_lowers_mosaic_block_pass_and_triton_select(B, block_b,
 @pytest.mark.parametrize("B,V,block_v,sms,chunk,nc", [
     (256, DSV4["V"], 64, 132, 31, 66),   # 2020 blocks in 66 runs of 31
     (256, DSV4["V"], 128, 132, 16, 64),  # 1010 in 64 runs of 16 (the last 2)
+    (256, 151936, 64, 132, 36, 66),      # the rule's shapes: 2374 blocks
+    (256, 200064, 64, 132, 48, 66),      # and 3126, the last run shorter
     (128, 1024, 64, 132, 1, 16),         # fewer blocks than SMs
     (384, 4096, 128, 100, 1, 32),
 ])

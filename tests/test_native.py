@@ -188,6 +188,13 @@ def test_mosaic_bucket_is_planned(tmp_path):
                                        "chunk_sum", "chunk_argmax"]
   assert native_plan.mosaic_chunks(129280, monkey, 256, 132) == 64
   assert not native_plan.bucket_dependent_launch(shape, 256, True)
+  # A vocabulary with no entry takes the Mosaic rule at 256, not at 128.
+  v152k = dataclasses.replace(_shape(256, 7, 151936, 256), mosaic=True,
+                              gpu="NVIDIA H100 80GB HBM3")
+  rule = native_plan.shape_config(v152k, 256)
+  assert (rule.method, rule.block_b, rule.num_stages) == ("mosaic", 128, 4)
+  assert native_plan.mosaic_chunks(151936, rule, 256, 132) == 66
+  assert native_plan.shape_config(v152k, 128).method == "fused"
   # Buckets the table leaves to Triton, and shapes Mosaic does not run.
   assert "block_pass" in native_plan.lower_bucket(shape, 64, cache, (9, 0))
   for other in (dataclasses.replace(shape, greedy=True),
