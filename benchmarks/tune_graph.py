@@ -127,6 +127,21 @@ def select_candidates(batch: int, vocab: int = 129280, rank: int = 256):
       yield dataclasses.replace(cfg, select_warps=warps)
 
 
+def early_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The table's fused tile with 1, 2 and all of its rank chunks of proj
+  loaded before the dependent-launch wait (early_proj; the table's tile
+  without proj_l2_rows where it keeps rows in L2, which early_proj
+  excludes)."""
+  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if cfg.select == "persistent":
+    return
+  cfg = dataclasses.replace(cfg, proj_l2_rows=0)
+  chunks = -(-rank // cfg.block_k)
+  for early in sorted({0, 1, 2, chunks}):
+    if early <= chunks:
+      yield dataclasses.replace(cfg, early_proj=early)
+
+
 def persistent_candidates(batch: int):
   """The persistent draft (one launch a draft) on 16-row tiles on the tensor
   cores (Triton stages their proj chunks through shared memory, so
@@ -227,14 +242,15 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
                  choices=("tiles", "persistent", "mosaic", "l2", "select",
-                          "table"),
+                          "early", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
                  "Hopper); l2: the table's tile keeping proj rows in L2 "
                  "(l2_candidates); select: the table's tile with other "
-                 "select-pass warps (select_candidates); table: the table's "
-                 "fused entry only")
+                 "select-pass warps (select_candidates); early: the table's "
+                 "tile loading proj chunks before the dependent-launch wait "
+                 "(early_candidates); table: the table's fused entry only")
   p.add_argument("--dependent-launch", default="auto",
                  choices=("auto", "on", "off", "both"),
                  help="the hook's dependent_launch (auto: its default, on "
@@ -256,6 +272,7 @@ def main(argv=None):
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
                 select=lambda b: select_candidates(b, shape.V, shape.R),
+                early=lambda b: early_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]

@@ -280,6 +280,31 @@ def test_dependent_launch_is_built_into_the_step_kernels(tmp_path, greedy,
             plain[name][0], plain[name][1], (9, 0)).metadata.launch_pdl
 
 
+@pytest.mark.parametrize("early_proj", [1, 4])
+def test_early_proj_loads_come_before_the_wait(tmp_path, monkeypatch,
+                                               early_proj):
+  """With early_proj, the block pass's first proj chunks load before its
+  dependent-launch wait (they do not depend on the previous token): the
+  compiled kernel issues more global loads ahead of the wait than the same
+  tile without. Needs triton (PTX, no GPU)."""
+  import dataclasses
+  if not _TRITON:
+    pytest.skip("needs triton to compile the kernel")
+  shape = _shape(64, 3, 1024, 256)
+  base = native_plan.shape_config(shape, 64)
+  loads = {}
+  for early in (0, early_proj):
+    cfg = dataclasses.replace(base, proj_l2_rows=0, early_proj=early)
+    monkeypatch.setattr(native_plan, "shape_config", lambda *_, c=cfg: c)
+    cache = native.IRCache(str(tmp_path / str(early)))
+    ir, path, _ = native_plan.lower_bucket(shape, 64, cache, (9, 0),
+                                           dependent_launch=True)["block_pass"]
+    ptx = native.compile_kernel(ir, path, (9, 0), launch_pdl=True).asm["ptx"]
+    head = ptx[:ptx.index("griddepcontrol.wait")]
+    loads[early] = head.count("ld.global") + head.count("cp.async")
+  assert loads[early_proj] > loads[0], loads
+
+
 def test_dependent_launch_choice(monkeypatch):
   use = native_plan.use_dependent_launch
   monkeypatch.delenv("JAX_MARKOV_DEPENDENT_LAUNCH", raising=False)

@@ -348,6 +348,25 @@ def test_proj_l2_rows_changes_no_result(block_b, bias_dot, select, k_loop,
   _check_changing_rows(28, config)
 
 
+@pytest.mark.parametrize("block_b,bias_dot,select,k_loop,early_proj",
+                         [(16, "mma", "pass", "fori", 1),
+                          (16, "mma", "pass", "static", 2),
+                          (1, "fma", "tail", "fori", 3),
+                          (4, "fma", "pass", "fori", 9)])
+def test_early_proj_changes_no_result(block_b, bias_dot, select, k_loop,
+                                      early_proj):
+  """proj chunks loaded ahead of the rank loop (before the dependent-launch
+  wait on the GPU): some of the 3 chunks of R = 80, all of them, or more
+  than there are (all): the same draft as the reference, both layouts."""
+  args = make_problem(5, 3, 300, 80, seed=31)
+  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=64,
+                           block_k=32, k_loop=k_loop, bias_dot=bias_dot,
+                           select=select, early_proj=early_proj)
+  draft = jm.sample_draft(*args, config=config)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
+  _check_changing_rows(32, config)
+
+
 @pytest.mark.parametrize("block_v,k_loop,unroll",
                          [(64, "fori", True), (128, "static", False),
                           (16, "fori", False)])

@@ -206,6 +206,23 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     x = plgpu.load(base_ref.at[draw[None, :], d_cols[:, None]],
                    mask=tile_mask.T, other=0, eviction_policy=stream).T
   x = x.astype(jnp.float32)
+  if fused:
+    proj_ref = ins["proj"]
+    v_rows = d_cols[:, None]
+
+    def load_proj(k0, policy):
+      k_cols = (k0 + jnp.arange(block_k))[None, :]
+      return plgpu.load(proj_ref.at[v_rows, k_cols],
+                        mask=d_mask[:, None] & (k_cols < rank), other=0,
+                        eviction_policy=policy)
+
+    num_chunks = pl.cdiv(rank, block_k)
+    # proj, like base, does not depend on the previous token: the first
+    # chunks load before the wait, while the previous step's select runs.
+    # early_proj <= num_chunks, and it needs keep_blocks == 0 (the config
+    # checks): these loads have no eviction policy.
+    early = [load_proj(c * block_k, None)
+             for c in range(min(config.early_proj, num_chunks))]
   # What follows reads or writes what earlier kernels of the draft write or
   # read, so its indices carry the wait's zero; base, written before the
   # draft, is loaded above it (see dependent_launch).
@@ -216,7 +233,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # The previous token of each request: its anchor at step 0, else what the
     # select pass drew at step - 1. Its embedding row is gathered here, so no
     # [B, R] embedding array passes between the kernels.
-    embed_ref, proj_ref = ins["embed"], ins["proj"]
+    embed_ref = ins["embed"]
     prev = plgpu.load(ins["anchors"].at[b_idx], mask=b_mask, other=0)
     if tokens_ref is not None:
       drawn = plgpu.load(tokens_ref.at[draw - 1],
@@ -225,29 +242,26 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # An anchor outside the table is clamped, as XLA's gather clamps.
     prev = jnp.clip(prev, 0, embed_ref.shape[0] - 1)
     b_rows = prev[:, None]
-    v_rows = d_cols[:, None]
 
-    def rank_chunk(k0, acc, proj_policy):
+    def rank_chunk(k0, acc, proj):
       k_cols = (k0 + jnp.arange(block_k))[None, :]
       emb = plgpu.load(embed_ref.at[b_rows, k_cols],
                        mask=b_mask[:, None] & (k_cols < rank), other=0)
-      proj = plgpu.load(proj_ref.at[v_rows, k_cols],
-                        mask=d_mask[:, None] & (k_cols < rank), other=0,
-                        eviction_policy=proj_policy)
       return bias_chunk(acc, emb, proj, bias_dot=bias_dot,
                         precision=precision)
 
-    num_chunks = pl.cdiv(rank, block_k)
-
     def bias_loop(acc, proj_policy):
-      if config.k_loop == "fori":
+      for c, proj in enumerate(early):
+        acc = rank_chunk(c * block_k, acc, proj)
+      first = len(early)
+      chunk = lambda k0, acc: rank_chunk(k0, acc, load_proj(k0, proj_policy))
+      if config.k_loop == "fori" and first < num_chunks:
         # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
         # while the tensor cores work on this one.
         return jax.lax.fori_loop(
-            0, num_chunks,
-            lambda c, acc: rank_chunk(c * block_k, acc, proj_policy), acc)
-      for c in range(num_chunks):  # "static": no software pipelining
-        acc = rank_chunk(c * block_k, acc, proj_policy)
+            first, num_chunks, lambda c, acc: chunk(c * block_k, acc), acc)
+      for c in range(first, num_chunks):  # "static": no software pipelining
+        acc = chunk(c * block_k, acc)
       return acc
 
     # The base tile is the accumulator's initial value: no second [block_b,

@@ -66,6 +66,12 @@ class KernelConfig:
       them to the chunk statistics the select pass reads, so there is no
       chunk pass a step (kernels/chunk_pass.py; docs/perf-notes.md change
       39). False, or block_b = 64: the chunk pass.
+    early_proj: fused, step by step, no proj_l2_rows: the block pass loads
+      the first early_proj rank chunks of its proj tile before the
+      dependent-launch wait (proj does not depend on the previous token),
+      so that a step's first programs stream proj while the kernel before
+      them (the previous step's select) still runs; 0: every chunk after
+      the wait, in the pipelined rank loop (docs/perf-notes.md change 42).
   """
   method: str = "fused"
   block_b: int = 16
@@ -83,6 +89,7 @@ class KernelConfig:
   programs: int = 0
   held_blocks: int = 0
   fold_chunks: bool = True
+  early_proj: int = 0
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -131,6 +138,14 @@ class KernelConfig:
       raise ValueError("held_blocks must be >= 0 and is for "
                        f"select='persistent', got {self.held_blocks} with "
                        f"select={self.select!r}")
+
+    if self.early_proj < 0 or (self.early_proj and not (
+        fused and self.select != "persistent" and self.proj_l2_rows == 0)):
+      raise ValueError(
+          "early_proj must be >= 0 and needs the fused method step by step "
+          f"with proj_l2_rows=0, got {self.early_proj} with method="
+          f"{self.method!r}, select={self.select!r}, "
+          f"proj_l2_rows={self.proj_l2_rows}")
 
   @property
   def fused(self) -> bool:
