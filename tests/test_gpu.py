@@ -119,6 +119,26 @@ def test_proj_l2_rows_changes_nothing_at_deepseek_v4_shape(tile):
   assert_sample_drafts_agree(drafts[1], drafts[0], *args)
 
 
+@pytest.mark.parametrize("tile,early_proj", [((16, 128, "mma"), 1),
+                                             ((64, 128, "mma"), 2),
+                                             ((1, 128, "fma"), 4)])
+def test_early_proj_changes_nothing_at_deepseek_v4_shape(tile, early_proj):
+  """proj chunks loaded ahead of the rank loop compile on both bias dots
+  (all four chunks in registers at 4) and give the draft of the same tile
+  without them (within float32 rounding: two compiled programs)."""
+  block_b, block_v, bias_dot = tile
+  B = max(1, block_b // 4)
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=33, head_scale=0.1,
+                      temperature=np.arange(B) % 2 * 1.0)
+  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
+      method="fused", block_b=block_b, block_v=block_v, block_k=64,
+      num_warps=4, num_stages=3, bias_dot=bias_dot,
+      select="tail" if block_b == 1 else "pass", early_proj=early))
+            for early in (0, early_proj)]
+  assert_sample_drafts_agree(drafts[1], drafts[0], *args)
+
+
 @pytest.mark.parametrize("B", [1, 3])
 def test_persistent_draft_matches_block_pass_at_deepseek_v4_shape(B):
   """The persistent draft's programs (132 // B a request on an H200) meet at
