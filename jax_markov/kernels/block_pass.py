@@ -208,10 +208,8 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   x = x.astype(jnp.float32)
   if fused:
     proj_ref = ins["proj"]
-    v_rows = d_cols[:, None]
 
-    def load_proj(k0, policy):
-      k_cols = (k0 + jnp.arange(block_k))[None, :]
+    def load_proj(k_cols, policy, v_rows):
       return plgpu.load(proj_ref.at[v_rows, k_cols],
                         mask=d_mask[:, None] & (k_cols < rank), other=0,
                         eviction_policy=policy)
@@ -221,7 +219,8 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # chunks load before the wait, while the previous step's select runs.
     # early_proj <= num_chunks, and it needs keep_blocks == 0 (the config
     # checks): these loads have no eviction policy.
-    early = [load_proj(c * block_k, None)
+    early = [load_proj((c * block_k + jnp.arange(block_k))[None, :], None,
+                       d_cols[:, None])
              for c in range(min(config.early_proj, num_chunks))]
   # What follows reads or writes what earlier kernels of the draft write or
   # read, so its indices carry the wait's zero; base, written before the
@@ -242,26 +241,29 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # An anchor outside the table is clamped, as XLA's gather clamps.
     prev = jnp.clip(prev, 0, embed_ref.shape[0] - 1)
     b_rows = prev[:, None]
+    v_rows = d_cols[:, None]
 
-    def rank_chunk(k0, acc, proj):
+    def rank_chunk(k0, acc, proj_policy, proj=None):
       k_cols = (k0 + jnp.arange(block_k))[None, :]
       emb = plgpu.load(embed_ref.at[b_rows, k_cols],
                        mask=b_mask[:, None] & (k_cols < rank), other=0)
+      if proj is None:
+        proj = load_proj(k_cols, proj_policy, v_rows)
       return bias_chunk(acc, emb, proj, bias_dot=bias_dot,
                         precision=precision)
 
     def bias_loop(acc, proj_policy):
       for c, proj in enumerate(early):
-        acc = rank_chunk(c * block_k, acc, proj)
+        acc = rank_chunk(c * block_k, acc, proj_policy, proj)
       first = len(early)
-      chunk = lambda k0, acc: rank_chunk(k0, acc, load_proj(k0, proj_policy))
       if config.k_loop == "fori" and first < num_chunks:
         # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
         # while the tensor cores work on this one.
         return jax.lax.fori_loop(
-            first, num_chunks, lambda c, acc: chunk(c * block_k, acc), acc)
+            first, num_chunks,
+            lambda c, acc: rank_chunk(c * block_k, acc, proj_policy), acc)
       for c in range(first, num_chunks):  # "static": no software pipelining
-        acc = chunk(c * block_k, acc)
+        acc = rank_chunk(c * block_k, acc, proj_policy)
       return acc
 
     # The base tile is the accumulator's initial value: no second [block_b,
