@@ -232,6 +232,34 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
     tuning.choose.cache_clear()
 
 
+def time_seed(shape, batch, inputs, temperature, repeats, group):
+  """Median ms of one draft of ``seed_design_graph`` (the reference design
+  captured in a CUDA graph, benchmarks/baselines/seed_design.py) on the same
+  inputs, timed as :func:`time_config` times a configuration."""
+  from benchmarks.baselines.seed_design import SeedDesignSampler
+  temps = torch.full((batch,), temperature, dtype=torch.float32,
+                     device="cuda")
+  uniforms = torch.rand((batch, shape.S), device="cuda",
+                        generator=torch.Generator("cuda").manual_seed(0))
+  sampler = SeedDesignSampler(inputs["embed"], inputs["proj"],
+                              inputs["base"], inputs["anchors"], temps,
+                              uniforms)
+  graph = sampler.capture()
+  for _ in range(5):
+    graph.replay()
+  times = []
+  for _ in range(repeats):
+    a = torch.cuda.Event(enable_timing=True)
+    b = torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(group):
+      graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    times.append(a.elapsed_time(b) / group)
+  return statistics.median(times)
+
+
 def main(argv=None):
   p = argparse.ArgumentParser()
   p.add_argument("--shape", default="dsv4", choices=sorted(common.SHAPES))
@@ -256,6 +284,9 @@ def main(argv=None):
                  help="the hook's dependent_launch (auto: its default, on "
                  "for sm_90+ unless $JAX_MARKOV_DEPENDENT_LAUNCH=0); both: "
                  "each configuration off, then on")
+  p.add_argument("--seed", action="store_true",
+                 help="also time seed_design_graph (the reference design, "
+                 "captured) on the same inputs, first and last per batch")
   args = p.parse_args(argv)
   if not torch.cuda.is_available():
     print("tune_graph needs a CUDA GPU", file=sys.stderr)
@@ -276,6 +307,16 @@ def main(argv=None):
                 table=lambda _: ())[args.grid](batch)
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]
+    def seed_row(when):
+      ms = time_seed(shape, batch, inputs, args.temperature, args.repeats,
+                     args.group)
+      rows.append(dict(shape=shape.name, batch=batch, ms=ms,
+                       impl="seed_design_graph", when=when))
+      print(f"B={batch:4d} {ms:.4f} ms seed_design_graph ({when})",
+            flush=True)
+
+    if args.seed:
+      seed_row("first")
     for cfg in [default, *grid]:
       if cfg in seen:
         continue
@@ -301,7 +342,12 @@ def main(argv=None):
               f"dependent_launch={dependent} {cfg}", flush=True)
       if args.out:  # after every row: a sweep cut short keeps what it timed
         _write(args.out, shape, args.temperature, rows)
-    best = min((r for r in rows if r["batch"] == batch), key=lambda r: r["ms"])
+    if args.seed:
+      seed_row("last")
+      if args.out:
+        _write(args.out, shape, args.temperature, rows)
+    best = min((r for r in rows if r["batch"] == batch and "config" in r),
+               key=lambda r: r["ms"])
     print(f"B={batch:4d} best {best['ms']:.4f} ms: {best['config']}",
           flush=True)
   return 0

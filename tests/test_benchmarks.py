@@ -401,6 +401,13 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert all(c == dataclasses.replace(table, select_warps=c.select_warps)
                for c in cfgs)
   assert not list(tune_graph.select_candidates(1))  # the tail select
+  for batch in (1, 4, 64):  # the table's tile without L2 rows, 0-4 early
+    cfgs = list(tune_graph.early_candidates(batch))
+    table = tuning.choose("fused", batch, 129280, 256, interpret=False)
+    assert [c.early_proj for c in cfgs] == [0, 1, 2, 4]
+    assert all(c == dataclasses.replace(table, proj_l2_rows=0,
+                                        early_proj=c.early_proj)
+               for c in cfgs)
   if not torch.cuda.is_available():
     assert tune_graph.main(["--batches", "4"]) == 2
 
