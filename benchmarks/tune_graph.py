@@ -308,8 +308,13 @@ def main(argv=None):
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]
     def seed_row(when):
-      ms = time_seed(shape, batch, inputs, args.temperature, args.repeats,
-                     args.group)
+      try:
+        ms = time_seed(shape, batch, inputs, args.temperature, args.repeats,
+                       args.group)
+      except Exception as e:  # noqa: BLE001 -- the sweep goes on without it
+        print(f"B={batch} seed_design_graph: {type(e).__name__}: {e}"[:300],
+              flush=True)
+        return
       rows.append(dict(shape=shape.name, batch=batch, ms=ms,
                        impl="seed_design_graph", when=when))
       print(f"B={batch:4d} {ms:.4f} ms seed_design_graph ({when})",
