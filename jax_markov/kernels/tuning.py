@@ -52,8 +52,14 @@ def _batch_bucket(batch: int) -> int:
   return _next_pow2(batch)
 
 
+# early_proj=2: the first two proj chunks load before the dependent-launch
+# wait (captured native draft, H100, T = 1 / 0: B = 4 0.1946 / 0.1921 ms
+# against 0.2012 / 0.1980 without, B = 16 0.2196 / 0.2197 against 0.2262 /
+# 0.2250; B = 64's 64 x 128 tile loses with it; docs/perf-notes.md change
+# 42).
 _TILE_16X128 = KernelConfig(method="fused", block_b=16, block_v=128,
-                            block_k=64, num_warps=4, num_stages=3)
+                            block_k=64, num_warps=4, num_stages=3,
+                            early_proj=2)
 
 # (method, vocab, rank, batch bucket) -> KernelConfig, the fastest of
 # benchmarks/tune.py's or tune_graph.py's sweep on an H200
