@@ -480,7 +480,9 @@ def test_gpu_persistent_draft_eager_captured_and_jm_agree(
                          held_blocks=2)
   original = tuning.choose
 
-  def choose(method, batch, vocab, rank, *, interpret, hopper=False):
+  def choose(method, batch, vocab, rank, *, interpret, hopper=False,
+             gpu=None):
+    del gpu  # the persistent tiles below, whatever the GPU
     if interpret or hopper:  # the Mosaic GPU entry is not this test's
       return original(method, batch, vocab, rank, interpret=interpret)
     return one if batch == 1 else tile
@@ -508,7 +510,9 @@ def test_gpu_mosaic_eager_captured_and_jm_agree(monkeypatch, m, s, v, r,
     pytest.skip("the Mosaic GPU block pass needs a Hopper GPU")
   original = tuning.choose
 
-  def choose(method, batch, vocab, rank, *, interpret, hopper=False):
+  def choose(method, batch, vocab, rank, *, interpret, hopper=False,
+             gpu=None):
+    del gpu  # the Mosaic tiles below, whatever the GPU
     if hopper and not interpret and batch >= 64:
       return jm.KernelConfig(method="mosaic", block_b=64 if batch == 64
                              else 128, block_v=64)
