@@ -12,6 +12,8 @@ far below one in the few dozen draws of a test (docs/design.md); the logits
 are checked within Higham's bound by helpers.check_draft on the target row.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,6 +42,9 @@ CONFIG = jm.KernelConfig(method="fused", block_b=16, block_v=16, block_k=16)
 # One request a program, the tail select (the table's choice at B = 1).
 TAIL = jm.KernelConfig(method="fused", block_b=1, block_v=16, block_k=16,
                        bias_dot="fma", select="tail")
+# proj loaded before the rank loop (before the dependent-launch wait on the
+# GPU; the table's choice at B = 4 and 16): R = 8 is one chunk.
+EARLY = dataclasses.replace(CONFIG, early_proj=1)
 
 
 def _problem(seed=0, temperature=None, shuffled=False, dtype=jnp.float32):
@@ -184,7 +189,8 @@ def test_nan_and_neg_inf_in_base():
   np.testing.assert_allclose(logits, ref_logits, rtol=2e-6, atol=2e-5)
 
 
-@pytest.mark.parametrize("config", [CONFIG, TAIL], ids=["pass", "tail"])
+@pytest.mark.parametrize("config", [CONFIG, TAIL, EARLY],
+                         ids=["pass", "tail", "early"])
 def test_empty_target_blocks_never_drawn(config):
   """No draft id maps to target ids 0-15 (a whole target block at block_v =
   16) and the map is shuffled: that block is all -inf, and a row with nothing
@@ -208,16 +214,18 @@ def test_empty_target_blocks_never_drawn(config):
   np.testing.assert_allclose(logits, ref_logits, rtol=2e-6, atol=2e-5)
 
 
+@pytest.mark.parametrize("config", [CONFIG, EARLY], ids=["pass", "early"])
 @pytest.mark.parametrize("mapped", [False, True], ids=["plain", "map"])
-def test_greedy_draft_is_sample_draft_at_t0(mapped):
+def test_greedy_draft_is_sample_draft_at_t0(mapped, config):
   base, anchor, head, _, seeds, pos, d2t = _problem(6, shuffled=True)
   t0 = jnp.zeros((B,), jnp.float32)
   kw = dict(draft_to_target=d2t) if mapped else {}
   if not mapped:
     head = jm.MarkovHead(head.embed[:VD], head.proj)
     anchor = anchor % VD
-  want = jm.sample_draft(base, anchor, head, t0, seeds, pos, config=CONFIG, **kw)
-  got = jm.greedy_draft(base, anchor, head, config=CONFIG, **kw)
+  want = jm.sample_draft(base, anchor, head, t0, seeds, pos, config=config,
+                         **kw)
+  got = jm.greedy_draft(base, anchor, head, config=config, **kw)
   assert got.dtype == jnp.int32 and got.shape == (B, S)
   np.testing.assert_array_equal(got, want.tokens)
   np.testing.assert_array_equal(

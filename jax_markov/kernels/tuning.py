@@ -14,7 +14,9 @@ rule:
   request tiles of 16..64 on the tensor cores (their smallest M is 16), 256
   vocabulary columns per program (128 with 64-request tiles, so the float32
   accumulator stays in registers); rank chunks of 64 in a loop Triton
-  pipelines 3 stages deep;
+  pipelines 3 stages deep; the table's B = 4 and 16 entries (16 x 128
+  tiles) also load two proj chunks before the dependent-launch wait
+  (early_proj);
 * xla_bias (selectable; vLLM's design, the bias GEMM in XLA): one request
   per program, vocabulary blocks of 1024 at B <= 4 and 4096 above;
 * mosaic (Hopper, the JAX sampler's dense layout; kernels/mosaic_block_pass.py):
