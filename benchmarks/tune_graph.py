@@ -140,6 +140,11 @@ def early_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   for early in sorted({0, 1, 2, chunks}):
     if early <= chunks:
       yield dataclasses.replace(cfg, early_proj=early)
+  if cfg.block_b >= 64 and cfg.block_k > 32:
+    # A 64-request tile has the registers for half a chunk at most (change
+    # 42: a whole 64-wide chunk cost it a program a multiprocessor).
+    for early in (0, 1):
+      yield dataclasses.replace(cfg, block_k=32, early_proj=early)
 
 
 def persistent_candidates(batch: int):
