@@ -147,24 +147,6 @@ def early_candidates(batch: int, vocab: int = 129280, rank: int = 256):
       yield dataclasses.replace(cfg, block_k=32, early_proj=early)
 
 
-def register_candidates(batch: int, vocab: int = 129280, rank: int = 256):
-  """64-request tiles with early proj chunks under a register cap
-  (max_registers=168: 3 programs of 4 warps a multiprocessor, as the tile
-  has without early chunks; ptxas on the CPU, sm_90a: 52-64 bytes of spills
-  with one or two 64-wide chunks early, 4-12 with one 32-wide chunk), and
-  32-wide rank chunks at 3 and 4 stages."""
-  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
-  if cfg.select == "persistent" or cfg.block_b < 64 or cfg.num_warps != 4:
-    return
-  cfg = dataclasses.replace(cfg, proj_l2_rows=0)
-  for bk, early, stages, cap in ((64, 1, 3, 168), (64, 2, 3, 168),
-                                 (32, 0, 3, 0), (32, 1, 3, 168),
-                                 (32, 1, 4, 168), (32, 2, 3, 168),
-                                 (32, 0, 4, 0)):
-    yield dataclasses.replace(cfg, block_k=bk, early_proj=early,
-                              num_stages=stages, max_registers=cap)
-
-
 def persistent_candidates(batch: int):
   """The persistent draft (one launch a draft) on 16-row tiles on the tensor
   cores (Triton stages their proj chunks through shared memory, so
@@ -293,7 +275,7 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
                  choices=("tiles", "persistent", "mosaic", "l2", "select",
-                          "early", "registers", "table"),
+                          "early", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
@@ -301,9 +283,7 @@ def main(argv=None):
                  "(l2_candidates); select: the table's tile with other "
                  "select-pass warps (select_candidates); early: the table's "
                  "tile loading proj chunks before the dependent-launch wait "
-                 "(early_candidates); registers: 64-request tiles with early "
-                 "chunks under a register cap (register_candidates); table: "
-                 "the table's fused entry only")
+                 "(early_candidates); table: the table's fused entry only")
   p.add_argument("--dependent-launch", default="auto",
                  choices=("auto", "on", "off", "both"),
                  help="the hook's dependent_launch (auto: its default, on "
@@ -329,7 +309,6 @@ def main(argv=None):
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
                 select=lambda b: select_candidates(b, shape.V, shape.R),
                 early=lambda b: early_candidates(b, shape.V, shape.R),
-                registers=lambda b: register_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]

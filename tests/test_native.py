@@ -619,50 +619,6 @@ def test_gpu_dependent_launch_is_the_plain_launch_bit_for_bit(m, s, v, r,
         assert torch.equal(got[1], want[k % 2][1]), (n, k)
 
 
-@pytest.mark.parametrize("block_k,early_proj", [(64, 1), (32, 2)])
-def test_gpu_register_cap_drafts_what_the_uncapped_tile_drafts(
-    monkeypatch, block_k, early_proj):
-  """The table's 64-request tile at the DeepSeek-V4 shape compiled under a
-  register cap with proj chunks loaded early (max_registers=168: ptxas
-  spills 52-64 bytes a thread) drafts what the uncapped tile without early
-  chunks drafts, eager and captured: the same tokens, the cache within
-  float32 rounding (two compiled programs; the spills move values, not
-  arithmetic)."""
-  pytest.importorskip("triton")
-  if not _GPU:
-    pytest.skip("needs a CUDA GPU")
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  from jax_markov.kernels import tuning  # pylint: disable=g-import-not-at-top
-  m, s, v, r = 64, 7, 129280, 256
-  spec = sd.SpeculatorDouble(max_num_reqs=m, num_steps=s, vocab=v, rank=r,
-                             hidden=64, dtype=torch.bfloat16, device="cuda")
-  key = ("fused", v, r, m)
-  table = tuning.choose("fused", m, v, r, interpret=False)
-  capped = dataclasses.replace(table, block_k=block_k, early_proj=early_proj,
-                               max_registers=168)
-  hooks = []
-  for cfg in (table, capped):
-    monkeypatch.setitem(tuning.TABLE, key, cfg)
-    tuning.choose.cache_clear()
-    hook = _sampler(spec, buckets=(m,))
-    hook.warmup(spec)  # builds the bucket with this entry
-    hooks.append(hook)
-  tuning.choose.cache_clear()
-  hidden = spec.prepare(m, greedy=(0, 5))
-  assert hooks[0](spec, m, hidden)
-  want = _snapshot(spec)
-  assert hooks[1](spec, m, hidden)
-  got = [_snapshot(spec)]
-  fixed = hidden.clone()
-  graph = _captured(lambda: hooks[1](spec, m, fixed))
-  graph.replay()
-  torch.cuda.synchronize()
-  got.append(_snapshot(spec))
-  for tokens, cache in got:
-    assert torch.equal(tokens, want[0])
-    torch.testing.assert_close(cache, want[1], rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("_", [0])
 def test_gpu_capture_below_bucket_replays_without_allocating(_):
   pytest.importorskip("triton")

@@ -262,7 +262,7 @@ class IRCache:
 
 
 def compile_kernel(ir: KernelIR, ttir_path: str, capability: tuple[int, int],
-                   *, launch_pdl: bool = False, max_registers: int = 0):
+                   *, launch_pdl: bool = False):
   """Compiles a lowered kernel with the triton package for a CUDA GPU.
 
   launch_pdl: launch it with CUDA's programmatic stream serialization
@@ -270,17 +270,14 @@ def compile_kernel(ir: KernelIR, ttir_path: str, capability: tuple[int, int],
   kernel before it ends), for kernels lowered with dependent_launch=True
   (jax_markov.kernels.dependent_launch). Captured, the launch is a graph
   node with a programmatic edge.
-  max_registers: at most this many registers a thread (triton's maxnreg;
-  KernelConfig.max_registers); 0: the compiler's choice.
   """
   import triton  # pylint: disable=g-import-not-at-top
   from triton.backends.compiler import GPUTarget  # pylint: disable=g-import-not-at-top
   target = GPUTarget("cuda", capability[0] * 10 + capability[1], 32)
-  options = {"num_warps": ir.num_warps, "num_stages": ir.num_stages,
-             "launch_pdl": launch_pdl}
-  if max_registers:
-    options["maxnreg"] = max_registers
-  return triton.compile(ttir_path, target=target, options=options)
+  return triton.compile(ttir_path, target=target,
+                        options={"num_warps": ir.num_warps,
+                                 "num_stages": ir.num_stages,
+                                 "launch_pdl": launch_pdl})
 
 
 def available() -> tuple[bool, str]:

@@ -54,8 +54,6 @@ ROW = 8  # int32 entries a table row: 32 bytes, the kernels' pointer alignment
 # starts while the one before it finishes, and waits before reading what it
 # wrote.
 DEPENDENT_LAUNCH_KERNELS = ("draw_params", "block_pass", "select_pass")
-# The kernels the bucket's KernelConfig tiles (its max_registers applies).
-_CONFIG_KERNELS = ("block_pass", "draft_pass")
 # The kernels launched once a step (the rest once a draft).
 _STEP_KERNELS = ("embed_rows", "block_pass", "mosaic_block_pass",
                  "chunk_pass", "select_pass")
@@ -544,7 +542,6 @@ class DraftPlans:
                  chunk_argmax=ptr(self.carg),
                  emb=ptr(self.emb))
     launches = []
-    cfg = shape_config(self.shape, bp)
     for name, (ir, path, names) in lower_bucket(
         self.shape, bp, self.ir_cache, self.capability, self.num_sms,
         self.dependent_launch).items():
@@ -555,9 +552,7 @@ class DraftPlans:
             ir, path, self.capability,
             launch_pdl=(name in DEPENDENT_LAUNCH_KERNELS
                         and bucket_dependent_launch(self.shape, bp,
-                                                    self.dependent_launch)),
-            max_registers=(cfg.max_registers if name in _CONFIG_KERNELS
-                           else 0))
+                                                    self.dependent_launch)))
       steps = range(self.shape.steps) if name in _STEP_KERNELS else (None,)
       for step in steps:
         table = dict(fixed)

@@ -72,15 +72,6 @@ class KernelConfig:
       so that a step's first programs stream proj while the kernel before
       them (the previous step's select) still runs; 0: every chunk after
       the wait, in the pipelined rank loop (docs/perf-notes.md change 42).
-    max_registers: Triton methods, native runtime only: the block pass (and
-      the persistent draft pass) compile with at most this many registers a
-      thread (the triton package's maxnreg; ptxas spills what does not fit
-      to local memory), so that a tile keeps its programs a multiprocessor
-      where early_proj would take it past the register file's share (65536
-      registers an SM: 168 a thread for 3 programs of 4 warps). JAX's Pallas
-      Triton backend has no such parameter: the JAX path compiles the same
-      kernel without the cap. 0: the compiler's choice (docs/perf-notes.md
-      change 43).
   """
   method: str = "fused"
   block_b: int = 16
@@ -99,7 +90,6 @@ class KernelConfig:
   held_blocks: int = 0
   fold_chunks: bool = True
   early_proj: int = 0
-  max_registers: int = 0
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -156,14 +146,6 @@ class KernelConfig:
           f"with proj_l2_rows=0, got {self.early_proj} with method="
           f"{self.method!r}, select={self.select!r}, "
           f"proj_l2_rows={self.proj_l2_rows}")
-
-    # ptxas takes maxnreg from 24 (below it a thread cannot hold a warp's
-    # addressing state) to 255 (the ISA's limit).
-    if self.max_registers and not (
-        24 <= self.max_registers <= 255 and self.method != "mosaic"):
-      raise ValueError(
-          "max_registers must be 0 or 24..255 and is for the Triton methods, "
-          f"got {self.max_registers} with method={self.method!r}")
 
   @property
   def fused(self) -> bool:
