@@ -86,7 +86,9 @@ def candidates(batch: int, grid: str, shape: common.Shape):
     table = tuning.choose(None, batch, shape.V, shape.R, interpret=False)
     row_bytes = shape.R * 2
     for mb in (0, 8, 16, 24, 32, 48, 64):
-      yield dataclasses.replace(table, proj_l2_rows=mb * 2**20 // row_bytes)
+      yield dataclasses.replace(table, proj_l2_rows=mb * 2**20 // row_bytes,
+                                early_proj=0, prefetch_proj=0,
+                                prefetch_programs=0)
     return
   if grid == "refine":
     if batch <= 16:

@@ -87,7 +87,9 @@ def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   if cfg.select == "persistent" or cfg.method != "fused":
     return
   for rows in (16384, 32768, 49152, 65536):
-    yield dataclasses.replace(cfg, proj_l2_rows=rows)
+    # L2-kept rows exclude loads ahead of the wait (KernelConfig checks).
+    yield dataclasses.replace(cfg, proj_l2_rows=rows, early_proj=0,
+                              prefetch_proj=0, prefetch_programs=0)
 
 
 def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
@@ -135,7 +137,8 @@ def early_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
   if cfg.select == "persistent":
     return
-  cfg = dataclasses.replace(cfg, proj_l2_rows=0)
+  cfg = dataclasses.replace(cfg, proj_l2_rows=0, prefetch_proj=0,
+                            prefetch_programs=0)
   chunks = -(-rank // cfg.block_k)
   for early in sorted({0, 1, 2, chunks}):
     if early <= chunks:
@@ -145,6 +148,25 @@ def early_candidates(batch: int, vocab: int = 129280, rank: int = 256):
     # 42: a whole 64-wide chunk cost it a program a multiprocessor).
     for early in (0, 1):
       yield dataclasses.replace(cfg, block_k=32, early_proj=early)
+
+
+def prefetch_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The table's tile prefetching 1 or 2 proj chunks into L2 before the
+  dependent-launch wait (prefetch_proj), in every program or only in about
+  the first wave's (prefetch_programs: 132 multiprocessors x the tile's
+  programs a multiprocessor, read from ptxas on the CPU: 3 for 64-request
+  tiles at 168 registers, 4 for 16-request tiles at 101-128)."""
+  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if cfg.select != "pass" or cfg.block_b < 16:
+    return
+  cfg = dataclasses.replace(cfg, proj_l2_rows=0, early_proj=0,
+                            prefetch_proj=0, prefetch_programs=0)
+  wave = 132 * (3 if cfg.block_b >= 64 else 4)
+  yield cfg
+  for chunks, programs in ((1, wave), (1, 0), (2, wave), (1, wave * 2 // 3),
+                           (1, wave * 4 // 3)):
+    yield dataclasses.replace(cfg, prefetch_proj=chunks,
+                              prefetch_programs=programs)
 
 
 def persistent_candidates(batch: int):
@@ -275,7 +297,7 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
                  choices=("tiles", "persistent", "mosaic", "l2", "select",
-                          "early", "table"),
+                          "early", "prefetch", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
@@ -283,7 +305,10 @@ def main(argv=None):
                  "(l2_candidates); select: the table's tile with other "
                  "select-pass warps (select_candidates); early: the table's "
                  "tile loading proj chunks before the dependent-launch wait "
-                 "(early_candidates); table: the table's fused entry only")
+                 "(early_candidates); prefetch: the table's tile prefetching "
+                 "proj chunks into L2 before the wait (prefetch_candidates); "
+                 "table: the hook's default entry only (Mosaic GPU where "
+                 "the table has one for a Hopper GPU)")
   p.add_argument("--dependent-launch", default="auto",
                  choices=("auto", "on", "off", "both"),
                  help="the hook's dependent_launch (auto: its default, on "
@@ -300,15 +325,20 @@ def main(argv=None):
   rows = []
   for batch in args.batches:
     inputs = common.torch_inputs(shape, batch, 0, torch.device("cuda"))
-    default = tuning.choose("mosaic" if args.grid == "mosaic" else "fused",
-                            batch, shape.V, shape.R, interpret=False,
-                            gpu=torch.cuda.get_device_name())
+    # table: what the hook runs by default (the Mosaic GPU entry where the
+    # table has one for a Hopper GPU); the grids: their method's entry.
+    method = dict(mosaic="mosaic", table=None).get(args.grid, "fused")
+    default = tuning.choose(
+        method, batch, shape.V, shape.R, interpret=False,
+        hopper=torch.cuda.get_device_capability()[0] == 9,
+        gpu=torch.cuda.get_device_name())
     seen, ref_tokens = [], None
     grid = dict(tiles=candidates, persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
                 select=lambda b: select_candidates(b, shape.V, shape.R),
                 early=lambda b: early_candidates(b, shape.V, shape.R),
+                prefetch=lambda b: prefetch_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]

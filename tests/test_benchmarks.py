@@ -406,11 +406,28 @@ def test_tune_graph_candidates_and_cpu_refusal():
     table = tuning.choose("fused", batch, 129280, 256, interpret=False)
     assert [c.early_proj for c in cfgs[:4]] == [0, 1, 2, 4]
     assert all(c == dataclasses.replace(table, proj_l2_rows=0,
-                                        early_proj=c.early_proj)
+                                        early_proj=c.early_proj,
+                                        prefetch_proj=0, prefetch_programs=0)
                for c in cfgs[:4])
     # 64-request tiles also with 32-wide rank chunks, 0 or 1 early.
     assert [(c.block_k, c.early_proj) for c in cfgs[4:]] == (
         [(32, 0), (32, 1)] if batch == 64 else [])
+  for batch in (4, 64):  # the table's tile without, then 1-2 prefetched
+    cfgs = list(tune_graph.prefetch_candidates(batch))
+    table = tuning.choose("fused", batch, 129280, 256, interpret=False)
+    plain = dataclasses.replace(table, early_proj=0, prefetch_proj=0,
+                                prefetch_programs=0)
+    assert cfgs[0] == plain
+    assert all(c == dataclasses.replace(plain, prefetch_proj=c.prefetch_proj,
+                                        prefetch_programs=c.prefetch_programs)
+               for c in cfgs)
+    assert {c.prefetch_proj for c in cfgs} == {0, 1, 2}
+    assert 132 * (3 if batch == 64 else 4) in {c.prefetch_programs
+                                               for c in cfgs}
+  assert not list(tune_graph.prefetch_candidates(1))  # the tail select
+  for batch in (4, 64):  # the L2 rows exclude loads ahead of the wait
+    assert all(c.proj_l2_rows and not (c.early_proj or c.prefetch_proj)
+               for c in tune_graph.l2_candidates(batch))
   if not torch.cuda.is_available():
     assert tune_graph.main(["--batches", "4"]) == 2
 

@@ -305,6 +305,62 @@ def test_early_proj_loads_come_before_the_wait(tmp_path, monkeypatch,
   assert loads[early_proj] > loads[0], loads
 
 
+def _ptxas_registers(ptx: str, path) -> int:
+  """Registers a thread of a PTX kernel for sm_90a, by triton's ptxas."""
+  import re  # pylint: disable=g-import-not-at-top
+  import subprocess  # pylint: disable=g-import-not-at-top
+  import triton  # pylint: disable=g-import-not-at-top
+  ptxas = os.path.join(os.path.dirname(triton.__file__),
+                       "backends", "nvidia", "bin", "ptxas")
+  if not os.path.exists(ptxas):
+    pytest.skip("this triton has no ptxas of its own")
+  path.write_text(ptx)
+  out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(path), "-o",
+                        os.devnull], capture_output=True, text=True, check=True)
+  return int(re.search(r"Used (\d+) registers", out.stderr).group(1))
+
+
+def test_prefetch_loads_come_before_the_wait_in_the_first_programs(
+    tmp_path, monkeypatch):
+  """With prefetch_proj, the block pass's first proj chunk loads before
+  its dependent-launch wait, predicated on the program's launch index
+  (prefetch_programs), and nothing of it is held through the rank loop:
+  the registers a thread are those of the tile without it (ptxas's count
+  is the kernel's peak, the loop's). Built without a dependent launch (the
+  JAX path), the kernel is the tile without prefetch, TTIR for TTIR. Needs
+  triton (PTX, no GPU)."""
+  import dataclasses
+  if not _TRITON:
+    pytest.skip("needs triton to compile the kernel")
+  shape = _shape(64, 3, 1024, 256)
+  base = dataclasses.replace(native_plan.shape_config(shape, 64),
+                             early_proj=0, prefetch_proj=0,
+                             prefetch_programs=0)
+  heads, regs, ttirs = {}, {}, {}
+  for name, cfg in (("plain", base),
+                    ("prefetch", dataclasses.replace(
+                        base, prefetch_proj=1, prefetch_programs=396))):
+    monkeypatch.setattr(native_plan, "shape_config", lambda *_, c=cfg: c)
+    for dependent in (True, False):
+      cache = native.IRCache(str(tmp_path / f"{name}{dependent}"))
+      ir, path, _ = native_plan.lower_bucket(
+          shape, 64, cache, (9, 0), dependent_launch=dependent)["block_pass"]
+      if not dependent:
+        ttirs[name] = ir.ttir
+        continue
+      kernel = native.compile_kernel(ir, path, (9, 0), launch_pdl=True)
+      ptx = kernel.asm["ptx"]
+      heads[name] = ptx[:ptx.index("griddepcontrol.wait")]
+      regs[name] = _ptxas_registers(ptx, tmp_path / f"{name}.ptx")
+  assert (heads["prefetch"].count("ld.global")
+          > heads["plain"].count("ld.global")), heads
+  assert "396" in heads["prefetch"]  # the launch-index bound
+  assert regs["prefetch"] == regs["plain"], regs
+  strip = lambda t: "\n".join(l.split(" loc(")[0] for l in t.splitlines()
+                              if not l.startswith("#loc"))
+  assert strip(ttirs["prefetch"]) == strip(ttirs["plain"])
+
+
 def test_dependent_launch_choice(monkeypatch):
   use = native_plan.use_dependent_launch
   monkeypatch.delenv("JAX_MARKOV_DEPENDENT_LAUNCH", raising=False)
@@ -586,37 +642,80 @@ def test_gpu_dependent_launch_is_the_plain_launch_bit_for_bit(m, s, v, r,
                   for on in (True, False))
   early.warmup(spec)
   plain.warmup(spec)
+  for n in calls:
+    _assert_dependent_is_plain(spec, n, early, plain, greedy=(0,))
+
+
+def _assert_dependent_is_plain(spec, n, early, plain, *, greedy):
+  """Hook ``early`` (dependent launches) drafts what hook ``plain`` drafts
+  for ``n`` requests, bit for bit, eager and captured, the graph replayed
+  back to back on two alternating inputs: a kernel that read the token,
+  statistics or parameters of the step before, or base, ahead of its wait
+  would see the other input's values from the replay before."""
   cached = spec.draft_logits is not None
 
   def outputs():
     return (spec.draft_tokens.clone(),
             spec.draft_logits.values.clone() if cached else None)
 
-  for n in calls:
-    hidden = spec.prepare(n, greedy=(0,))
-    other = torch.randn_like(hidden)
-    want = []
-    for h in (hidden.clone(), other):
-      assert plain(spec, n, h)
-      want.append(outputs())
-      assert early(spec, n, h)
-      got = outputs()
-      assert torch.equal(got[0], want[-1][0])
-      if cached:
-        assert torch.equal(got[1], want[-1][1])
-    fixed = hidden.clone()
-    graph = _captured(lambda: early(spec, n, fixed))
-    results = []
-    for _ in range(4):
-      for h in (hidden, other):
-        fixed.copy_(h)
-        graph.replay()
-        results.append(outputs())
-    torch.cuda.synchronize()
-    for k, got in enumerate(results):
-      assert torch.equal(got[0], want[k % 2][0]), (n, k)
-      if cached:
-        assert torch.equal(got[1], want[k % 2][1]), (n, k)
+  hidden = spec.prepare(n, greedy=greedy)
+  other = torch.randn_like(hidden)
+  want = []
+  for h in (hidden.clone(), other):
+    assert plain(spec, n, h)
+    want.append(outputs())
+    assert early(spec, n, h)
+    got = outputs()
+    assert torch.equal(got[0], want[-1][0])
+    if cached:
+      assert torch.equal(got[1], want[-1][1])
+  fixed = hidden.clone()
+  graph = _captured(lambda: early(spec, n, fixed))
+  results = []
+  for _ in range(4):
+    for h in (hidden, other):
+      fixed.copy_(h)
+      graph.replay()
+      results.append(outputs())
+  torch.cuda.synchronize()
+  for k, got in enumerate(results):
+    assert torch.equal(got[0], want[k % 2][0]), (n, k)
+    if cached:
+      assert torch.equal(got[1], want[k % 2][1]), (n, k)
+
+
+@pytest.mark.parametrize("bucket,chunks,programs", [(16, 2, 528),
+                                                     (64, 1, 396),
+                                                     (64, 2, 0)])
+def test_gpu_prefetch_proj_is_the_plain_launch_bit_for_bit(
+    monkeypatch, bucket, chunks, programs):
+  """The table's tile at the DeepSeek-V4 shape prefetching proj chunks
+  before the dependent-launch wait (in the first ``programs`` programs or
+  all) drafts what plain launches of the same tile (no wait, no prefetch)
+  draft, bit for bit, eager and captured on alternating inputs: the
+  prefetch changes no arithmetic, and its discarded loads reach no
+  result."""
+  pytest.importorskip("triton")
+  if not _GPU:
+    pytest.skip("needs a CUDA GPU")
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from jax_markov.kernels import tuning  # pylint: disable=g-import-not-at-top
+  m, s, v, r = bucket, 7, 129280, 256
+  cfg = dataclasses.replace(
+      tuning.choose("fused", m, v, r, interpret=False), early_proj=0,
+      prefetch_proj=chunks, prefetch_programs=programs)
+  monkeypatch.setitem(tuning.TABLE, ("fused", v, r, m), cfg)
+  tuning.choose.cache_clear()
+  try:
+    spec = sd.SpeculatorDouble(max_num_reqs=m, num_steps=s, vocab=v, rank=r,
+                               hidden=64, dtype=torch.bfloat16, device="cuda")
+    early, plain = (_sampler(spec, buckets=(m,), dependent_launch=on)
+                    for on in (True, False))
+    early.warmup(spec)
+    plain.warmup(spec)
+    _assert_dependent_is_plain(spec, m, early, plain, greedy=(0, 5))
+  finally:
+    tuning.choose.cache_clear()
 
 
 @pytest.mark.parametrize("_", [0])

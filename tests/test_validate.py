@@ -104,6 +104,21 @@ def test_bad_method_and_config(args):
       fused(block_b=16, block_v=128, **bad)
   with pytest.raises(ValueError, match="early_proj must be >= 0"):
     xla_bias(block_v=128, early_proj=1)
+  # proj chunks prefetched into L2 before the wait: the same, and not with
+  # early_proj (which loads them into registers).
+  assert fused(block_b=64, block_v=128, prefetch_proj=1,
+               prefetch_programs=396).prefetch_programs == 396
+  for bad in (dict(prefetch_proj=-1), dict(prefetch_proj=1, proj_l2_rows=128),
+              dict(prefetch_proj=1, select="persistent"),
+              dict(prefetch_proj=1, early_proj=1)):
+    with pytest.raises(ValueError, match="prefetch_proj must be >= 0"):
+      fused(block_b=16, block_v=128, **bad)
+  with pytest.raises(ValueError, match="prefetch_proj must be >= 0"):
+    xla_bias(block_v=128, prefetch_proj=1)
+  for bad in (dict(prefetch_programs=-1, prefetch_proj=1),
+              dict(prefetch_programs=396)):
+    with pytest.raises(ValueError, match="prefetch_programs must be >= 0"):
+      fused(block_b=16, block_v=128, **bad)
   with pytest.raises(ValueError, match="needs the fused method"):
     xla_bias(block_v=128, proj_l2_rows=1024)
   # The persistent draft: the fused bias (any request tile, either dot), no

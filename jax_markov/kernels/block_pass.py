@@ -206,13 +206,14 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     x = plgpu.load(base_ref.at[draw[None, :], d_cols[:, None]],
                    mask=tile_mask.T, other=0, eviction_policy=stream).T
   x = x.astype(jnp.float32)
+  warm = []  # prefetched proj chunks (config.prefetch_proj)
   if fused:
     proj_ref = ins["proj"]
 
-    def load_proj(k_cols, policy, v_rows):
+    def load_proj(k_cols, policy, v_rows, mask=True):
       return plgpu.load(proj_ref.at[v_rows, k_cols],
-                        mask=d_mask[:, None] & (k_cols < rank), other=0,
-                        eviction_policy=policy)
+                        mask=d_mask[:, None] & (k_cols < rank) & mask,
+                        other=0, eviction_policy=policy)
 
     num_chunks = pl.cdiv(rank, block_k)
     # proj, like base, does not depend on the previous token: the first
@@ -222,11 +223,27 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     early = [load_proj((c * block_k + jnp.arange(block_k))[None, :], None,
                        d_cols[:, None])
              for c in range(min(config.early_proj, num_chunks))]
+    if dependent_launch and config.prefetch_proj:
+      # Loaded only to be in L2 when the rank loop reads them; programs
+      # launched after the first wave find the step before done, and would
+      # only wait for these loads (masked off: no memory access). Grid axis
+      # 0 is blockIdx.x, the fastest in the order programs are dispatched.
+      launch_index = pl.program_id(0) + pl.program_id(1) * pl.num_programs(0)
+      ahead = (launch_index < config.prefetch_programs
+               if config.prefetch_programs else True)
+      warm = [load_proj((c * block_k + jnp.arange(block_k))[None, :], None,
+                        d_cols[:, None], ahead)
+              for c in range(min(config.prefetch_proj, num_chunks))]
   # What follows reads or writes what earlier kernels of the draft write or
   # read, so its indices carry the wait's zero; base, written before the
   # draft, is loaded above it (see dependent_launch).
   if dependent_launch:
     zero = wait_for_prior_kernels(dependent_launch)
+    if warm:
+      # Reduced to a zero after the wait: the prefetched registers are free
+      # before the rank loop (the first wave's loads have landed by then).
+      zero = zero + dependent_launch_module.zero_after(
+          sum(jnp.max(w.astype(jnp.float32)) for w in warm))
     i, b_idx, draw = i + zero, b_idx + zero, draw + zero
   if fused:
     # The previous token of each request: its anchor at step 0, else what the

@@ -72,6 +72,17 @@ class KernelConfig:
       so that a step's first programs stream proj while the kernel before
       them (the previous step's select) still runs; 0: every chunk after
       the wait, in the pipelined rank loop (docs/perf-notes.md change 42).
+    prefetch_proj: fused, step by step, no proj_l2_rows or early_proj, and
+      only where the block pass is built for a dependent launch (the native
+      runtime; elsewhere the kernel is the one without it): the programs
+      load the first prefetch_proj rank chunks of their proj tile before
+      the wait and discard them right after it, so that the rank loop,
+      unchanged, reads them from L2; nothing is held in registers through
+      the loop (docs/perf-notes.md change 44).
+    prefetch_programs: with prefetch_proj, only the programs whose launch
+      index (program_id(0) + program_id(1) * num_programs(0)) is below it
+      prefetch: those resident while the step before ends (about the first
+      wave); the others would only wait for the loads. 0: every program.
   """
   method: str = "fused"
   block_b: int = 16
@@ -90,6 +101,8 @@ class KernelConfig:
   held_blocks: int = 0
   fold_chunks: bool = True
   early_proj: int = 0
+  prefetch_proj: int = 0
+  prefetch_programs: int = 0
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -146,6 +159,20 @@ class KernelConfig:
           f"with proj_l2_rows=0, got {self.early_proj} with method="
           f"{self.method!r}, select={self.select!r}, "
           f"proj_l2_rows={self.proj_l2_rows}")
+
+    if self.prefetch_proj < 0 or (self.prefetch_proj and not (
+        fused and self.select != "persistent" and self.proj_l2_rows == 0
+        and self.early_proj == 0)):
+      raise ValueError(
+          "prefetch_proj must be >= 0 and needs the fused method step by step "
+          f"with proj_l2_rows=0 and early_proj=0, got {self.prefetch_proj} "
+          f"with method={self.method!r}, select={self.select!r}, "
+          f"proj_l2_rows={self.proj_l2_rows}, early_proj={self.early_proj}")
+    if self.prefetch_programs < 0 or (self.prefetch_programs
+                                      and not self.prefetch_proj):
+      raise ValueError("prefetch_programs must be >= 0 and is for "
+                       f"prefetch_proj > 0, got {self.prefetch_programs} with "
+                       f"prefetch_proj={self.prefetch_proj}")
 
   @property
   def fused(self) -> bool:

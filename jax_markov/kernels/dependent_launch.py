@@ -63,6 +63,20 @@ def wait_for_prior_kernels(enabled: bool = True) -> jax.Array | int:
   return jnp.sum(zero)
 
 
+def zero_after(value: jax.Array) -> jax.Array:
+  """An int32 zero computed from ``value`` (a float32 scalar).
+
+  Adding it to an index makes a load whose result is otherwise unused (a
+  prefetch) survive the compiler, and places the reduction that forms
+  ``value`` before that index's access.
+  """
+  [zero] = plgpu.elementwise_inline_asm(
+      "mov.u32 $0, 0;", args=[jnp.full((1,), value, jnp.float32)],
+      constraints="=r,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
+  return jnp.sum(zero)
+
+
 def check(enabled: bool, *, interpret: bool) -> None:
   """Raises ValueError for a dependent launch in the interpreter."""
   if enabled and interpret:

@@ -16,7 +16,8 @@ rule:
   accumulator stays in registers); rank chunks of 64 in a loop Triton
   pipelines 3 stages deep; the table's B = 4 and 16 entries (16 x 128
   tiles) also load two proj chunks before the dependent-launch wait
-  (early_proj);
+  (early_proj), and the B = 64 entry's first-wave programs prefetch one
+  into L2 there (prefetch_proj);
 * xla_bias (selectable; vLLM's design, the bias GEMM in XLA): one request
   per program, vocabulary blocks of 1024 at B <= 4 and 4096 above;
 * mosaic (Hopper, the JAX sampler's dense layout; kernels/mosaic_block_pass.py):
@@ -75,9 +76,14 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     # 0.181 / 0.200 ms against the rule's 16 x 256 tile's 0.193 / 0.217.
     ("fused", 129280, 256, 4): _TILE_16X128,
     ("fused", 129280, 256, 16): _TILE_16X128,
+    # prefetch_proj=1: the first wave's programs (3 an SM on 132 SMs) load
+    # their first proj chunk into L2 before the dependent-launch wait
+    # (captured native draft, H100, T = 1 / 0: 0.3361 / 0.3354 ms against
+    # 0.3439 / 0.3440 without; docs/perf-notes.md change 44). The JAX path
+    # (no dependent launch) runs the tile without it.
     ("fused", 129280, 256, 64): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
-        num_stages=3),
+        num_stages=3, prefetch_proj=1, prefetch_programs=396),
     ("fused", 129280, 256, 256): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
         num_stages=3),
