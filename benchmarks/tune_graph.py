@@ -151,11 +151,12 @@ def early_candidates(batch: int, vocab: int = 129280, rank: int = 256):
 
 
 def prefetch_candidates(batch: int, vocab: int = 129280, rank: int = 256):
-  """The table's tile prefetching 1 or 2 proj chunks into L2 before the
-  dependent-launch wait (prefetch_proj), in every program or only in about
-  the first wave's (prefetch_programs: 132 multiprocessors x the tile's
-  programs a multiprocessor, read from ptxas on the CPU: 3 for 64-request
-  tiles at 168 registers, 4 for 16-request tiles at 101-128)."""
+  """The table's tile without early loads, then prefetching 1, 2 or all 4
+  proj chunks into L2 before the dependent-launch wait (prefetch_proj), in
+  about the first wave's programs (prefetch_programs: 132 multiprocessors x
+  the tile's programs a multiprocessor, read from ptxas on the CPU: 3 for
+  64-request tiles at 168 registers, 4 for 16-request tiles at 85-90; the
+  prefetch touches a sector and keeps them) or all 4 in every program."""
   cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
   if cfg.select != "pass" or cfg.block_b < 16:
     return
@@ -163,8 +164,7 @@ def prefetch_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                             prefetch_proj=0, prefetch_programs=0)
   wave = 132 * (3 if cfg.block_b >= 64 else 4)
   yield cfg
-  for chunks, programs in ((1, wave), (1, 0), (2, wave), (1, wave * 2 // 3),
-                           (1, wave * 4 // 3)):
+  for chunks, programs in ((1, wave), (2, wave), (4, wave), (4, 0)):
     yield dataclasses.replace(cfg, prefetch_proj=chunks,
                               prefetch_programs=programs)
 

@@ -421,7 +421,7 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert all(c == dataclasses.replace(plain, prefetch_proj=c.prefetch_proj,
                                         prefetch_programs=c.prefetch_programs)
                for c in cfgs)
-    assert {c.prefetch_proj for c in cfgs} == {0, 1, 2}
+    assert {c.prefetch_proj for c in cfgs} == {0, 1, 2, 4}
     assert 132 * (3 if batch == 64 else 4) in {c.prefetch_programs
                                                for c in cfgs}
   assert not list(tune_graph.prefetch_candidates(1))  # the tail select

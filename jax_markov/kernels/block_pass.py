@@ -224,16 +224,20 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                        d_cols[:, None])
              for c in range(min(config.early_proj, num_chunks))]
     if dependent_launch and config.prefetch_proj:
-      # Loaded only to be in L2 when the rank loop reads them; programs
-      # launched after the first wave find the step before done, and would
-      # only wait for these loads (masked off: no memory access). Grid axis
-      # 0 is blockIdx.x, the fastest in the order programs are dispatched.
+      # Loaded only to be in L2 when the rank loop reads them: one element
+      # of each 32-byte sector (DRAM fills L2 a sector at a time), so a
+      # chunk costs block_v * block_k / (16 * 128) registers a thread, not
+      # block_v * block_k / 256. Programs launched after the first wave find
+      # the step before done and would only wait for these loads (masked
+      # off: no memory access). Grid axis 0 is blockIdx.x, the fastest in
+      # the order programs are dispatched.
       launch_index = pl.program_id(0) + pl.program_id(1) * pl.num_programs(0)
       ahead = (launch_index < config.prefetch_programs
                if config.prefetch_programs else True)
-      warm = [load_proj((c * block_k + jnp.arange(block_k))[None, :], None,
-                        d_cols[:, None], ahead)
-              for c in range(min(config.prefetch_proj, num_chunks))]
+      sector = max(1, 32 // proj_ref.dtype.itemsize)
+      touched = min(config.prefetch_proj, num_chunks) * block_k
+      warm = [load_proj(jnp.arange(0, touched, sector)[None, :], None,
+                        d_cols[:, None], ahead)]
   # What follows reads or writes what earlier kernels of the draft write or
   # read, so its indices carry the wait's zero; base, written before the
   # draft, is loaded above it (see dependent_launch).

@@ -75,10 +75,12 @@ class KernelConfig:
     prefetch_proj: fused, step by step, no proj_l2_rows or early_proj, and
       only where the block pass is built for a dependent launch (the native
       runtime; elsewhere the kernel is the one without it): the programs
-      load the first prefetch_proj rank chunks of their proj tile before
-      the wait and discard them right after it, so that the rank loop,
-      unchanged, reads them from L2; nothing is held in registers through
-      the loop (docs/perf-notes.md change 44).
+      touch one element of each 32-byte sector of the first prefetch_proj
+      rank chunks of their proj tile before the wait and discard them right
+      after it, so that the rank loop, unchanged, reads those chunks from
+      L2; nothing is held in registers through the loop. The token's load
+      waits for these loads: more than lands during the wait delays the
+      step (docs/perf-notes.md change 44).
     prefetch_programs: with prefetch_proj, only the programs whose launch
       index (program_id(0) + program_id(1) * num_programs(0)) is below it
       prefetch: those resident while the step before ends (about the first

@@ -76,11 +76,12 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     # 0.181 / 0.200 ms against the rule's 16 x 256 tile's 0.193 / 0.217.
     ("fused", 129280, 256, 4): _TILE_16X128,
     ("fused", 129280, 256, 16): _TILE_16X128,
-    # prefetch_proj=1: the first wave's programs (3 an SM on 132 SMs) load
+    # prefetch_proj=1: the first wave's programs (3 an SM on 132 SMs) bring
     # their first proj chunk into L2 before the dependent-launch wait
-    # (captured native draft, H100, T = 1 / 0: 0.3361 / 0.3354 ms against
-    # 0.3439 / 0.3440 without; docs/perf-notes.md change 44). The JAX path
-    # (no dependent launch) runs the tile without it.
+    # (captured native draft, H100, T = 1 / 0: 0.3430 / 0.3399 ms against
+    # 0.3498 / 0.3490 without; 2 or 4 chunks are slower; docs/perf-notes.md
+    # change 44). The JAX path (no dependent launch) runs the tile without
+    # it.
     ("fused", 129280, 256, 64): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
         num_stages=3, prefetch_proj=1, prefetch_programs=396),
