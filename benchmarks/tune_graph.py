@@ -169,6 +169,23 @@ def prefetch_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                               prefetch_programs=programs)
 
 
+def dependents_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The table's tile with the select pass letting the next step's block
+  pass launch before its wait (early_dependents), and with one more proj
+  chunk loaded or prefetched ahead of the block pass's wait, which then has
+  the step's last wave to land in."""
+  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if cfg.select != "pass":
+    return
+  yield dataclasses.replace(cfg, early_dependents=True)
+  if cfg.prefetch_proj:
+    yield dataclasses.replace(cfg, early_dependents=True,
+                              prefetch_proj=cfg.prefetch_proj + 1)
+  elif cfg.early_proj:
+    yield dataclasses.replace(cfg, early_dependents=True,
+                              early_proj=cfg.early_proj + 1)
+
+
 def persistent_candidates(batch: int):
   """The persistent draft (one launch a draft) on 16-row tiles on the tensor
   cores (Triton stages their proj chunks through shared memory, so
@@ -297,7 +314,7 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
                  choices=("tiles", "persistent", "mosaic", "l2", "select",
-                          "early", "prefetch", "table"),
+                          "early", "prefetch", "dependents", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
@@ -307,6 +324,8 @@ def main(argv=None):
                  "tile loading proj chunks before the dependent-launch wait "
                  "(early_candidates); prefetch: the table's tile prefetching "
                  "proj chunks into L2 before the wait (prefetch_candidates); "
+                 "dependents: the select pass launching the next block pass "
+                 "before its wait (dependents_candidates); "
                  "table: the hook's default entry only (Mosaic GPU where "
                  "the table has one for a Hopper GPU)")
   p.add_argument("--dependent-launch", default="auto",
@@ -339,6 +358,8 @@ def main(argv=None):
                 select=lambda b: select_candidates(b, shape.V, shape.R),
                 early=lambda b: early_candidates(b, shape.V, shape.R),
                 prefetch=lambda b: prefetch_candidates(b, shape.V, shape.R),
+                dependents=lambda b: dependents_candidates(b, shape.V,
+                                                           shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = dict(auto=(None,), on=(True,), off=(False,),
                     both=(False, True))[args.dependent_launch]

@@ -425,6 +425,15 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert 132 * (3 if batch == 64 else 4) in {c.prefetch_programs
                                                for c in cfgs}
   assert not list(tune_graph.prefetch_candidates(1))  # the tail select
+  for batch in (4, 64, 128):  # early_dependents, then one more chunk ahead
+    cfgs = list(tune_graph.dependents_candidates(batch))
+    table = tuning.choose("fused", batch, 129280, 256, interpret=False)
+    assert cfgs[0] == dataclasses.replace(table, early_dependents=True)
+    assert all(c.early_dependents for c in cfgs)
+    assert [c.early_proj + c.prefetch_proj for c in cfgs[1:]] == (
+        [] if batch == 128 else
+        [table.early_proj + table.prefetch_proj + 1])
+  assert not list(tune_graph.dependents_candidates(1))  # no select pass
   for batch in (4, 64):  # the L2 rows exclude loads ahead of the wait
     assert all(c.proj_l2_rows and not (c.early_proj or c.prefetch_proj)
                for c in tune_graph.l2_candidates(batch))

@@ -361,6 +361,31 @@ def test_prefetch_loads_come_before_the_wait_in_the_first_programs(
   assert strip(ttirs["prefetch"]) == strip(ttirs["plain"])
 
 
+def test_early_dependents_signal_before_the_select_waits(tmp_path,
+                                                         monkeypatch):
+  """With early_dependents the select pass lets the next kernel launch
+  before its wait; without, after it; the block pass signals after its wait
+  either way (what makes the early start safe: kernels/dependent_launch.py).
+  Needs triton (PTX, no GPU)."""
+  import dataclasses
+  if not _TRITON:
+    pytest.skip("needs triton to compile the kernel")
+  shape = _shape(64, 3, 1024, 256)
+  for early in (False, True):
+    cfg = dataclasses.replace(native_plan.shape_config(shape, 64),
+                              early_dependents=early)
+    monkeypatch.setattr(native_plan, "shape_config", lambda *_, c=cfg: c)
+    kernels = native_plan.lower_bucket(
+        shape, 64, native.IRCache(str(tmp_path / str(early))), (9, 0),
+        dependent_launch=True)
+    for name in ("select_pass", "block_pass"):
+      ir, path, _ = kernels[name]
+      ptx = native.compile_kernel(ir, path, (9, 0), launch_pdl=True).asm["ptx"]
+      first = (ptx.index("griddepcontrol.launch_dependents")
+               < ptx.index("griddepcontrol.wait"))
+      assert first == (early and name == "select_pass"), (name, early)
+
+
 def test_dependent_launch_choice(monkeypatch):
   use = native_plan.use_dependent_launch
   monkeypatch.delenv("JAX_MARKOV_DEPENDENT_LAUNCH", raising=False)
@@ -684,26 +709,31 @@ def _assert_dependent_is_plain(spec, n, early, plain, *, greedy):
       assert torch.equal(got[1], want[k % 2][1]), (n, k)
 
 
-@pytest.mark.parametrize("bucket,chunks,programs", [(16, 2, 528),
-                                                     (64, 1, 396),
-                                                     (64, 2, 0)])
-def test_gpu_prefetch_proj_is_the_plain_launch_bit_for_bit(
-    monkeypatch, bucket, chunks, programs):
-  """The table's tile at the DeepSeek-V4 shape prefetching proj chunks
-  before the dependent-launch wait (in the first ``programs`` programs or
-  all) drafts what plain launches of the same tile (no wait, no prefetch)
-  draft, bit for bit, eager and captured on alternating inputs: the
-  prefetch changes no arithmetic, and its discarded loads reach no
-  result."""
+@pytest.mark.parametrize("bucket,changes", [
+    (16, dict(early_proj=0, prefetch_proj=2, prefetch_programs=528)),
+    (64, dict(prefetch_proj=1, prefetch_programs=396)),
+    (64, dict(prefetch_proj=2, prefetch_programs=0)),
+    (16, dict(early_proj=3, early_dependents=True)),
+    (64, dict(prefetch_proj=2, prefetch_programs=396,
+              early_dependents=True)),
+])
+def test_gpu_loads_ahead_of_the_wait_are_the_plain_launch_bit_for_bit(
+    monkeypatch, bucket, changes):
+  """The table's tile at the DeepSeek-V4 shape with proj loaded or
+  prefetched before the dependent-launch wait (in the first programs or
+  all), and with the select pass letting the next block pass launch before
+  its own wait, drafts what plain launches of the same tile (no wait, no
+  prefetch) draft, bit for bit, eager and captured on alternating inputs:
+  none of it changes arithmetic, and a block pass started early must still
+  read the token and write the cache only after the step before."""
   pytest.importorskip("triton")
   if not _GPU:
     pytest.skip("needs a CUDA GPU")
   import dataclasses  # pylint: disable=g-import-not-at-top
   from jax_markov.kernels import tuning  # pylint: disable=g-import-not-at-top
   m, s, v, r = bucket, 7, 129280, 256
-  cfg = dataclasses.replace(
-      tuning.choose("fused", m, v, r, interpret=False), early_proj=0,
-      prefetch_proj=chunks, prefetch_programs=programs)
+  cfg = dataclasses.replace(tuning.choose("fused", m, v, r, interpret=False),
+                            **changes)
   monkeypatch.setitem(tuning.TABLE, ("fused", v, r, m), cfg)
   tuning.choose.cache_clear()
   try:

@@ -119,6 +119,12 @@ def test_bad_method_and_config(args):
               dict(prefetch_programs=396)):
     with pytest.raises(ValueError, match="prefetch_programs must be >= 0"):
       fused(block_b=16, block_v=128, **bad)
+  # The select pass signalling the next block pass before its wait: the
+  # select pass's option (either method), not the tail select's.
+  assert xla_bias(block_v=128, early_dependents=True).early_dependents
+  with pytest.raises(ValueError, match="early_dependents is for the select"):
+    fused(block_b=1, block_v=128, block_k=64, bias_dot="fma", select="tail",
+          early_dependents=True)
   with pytest.raises(ValueError, match="needs the fused method"):
     xla_bias(block_v=128, proj_l2_rows=1024)
   # The persistent draft: the fused bias (any request tile, either dot), no

@@ -85,6 +85,13 @@ class KernelConfig:
       index (program_id(0) + program_id(1) * num_programs(0)) is below it
       prefetch: those resident while the step before ends (about the first
       wave); the others would only wait for the loads. 0: every program.
+    early_dependents: select="pass", with dependent launches (the native
+      runtime): the select pass lets the next kernel, the next step's block
+      pass, launch before its own wait instead of after it, so that the
+      block pass's programs take the multiprocessors the step's last wave
+      leaves idle and load base (and early or prefetched proj) while it
+      ends (kernels/dependent_launch.py says why that is safe;
+      docs/perf-notes.md change 45). False: after the wait.
   """
   method: str = "fused"
   block_b: int = 16
@@ -105,6 +112,7 @@ class KernelConfig:
   early_proj: int = 0
   prefetch_proj: int = 0
   prefetch_programs: int = 0
+  early_dependents: bool = False
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -175,6 +183,10 @@ class KernelConfig:
       raise ValueError("prefetch_programs must be >= 0 and is for "
                        f"prefetch_proj > 0, got {self.prefetch_programs} with "
                        f"prefetch_proj={self.prefetch_proj}")
+
+    if self.early_dependents and self.select != "pass":
+      raise ValueError("early_dependents is for the select pass "
+                       f"(select='pass'), got select={self.select!r}")
 
   @property
   def fused(self) -> bool:

@@ -40,13 +40,28 @@ _ASM = ("griddepcontrol.wait;\n\t"
         "mov.u32 $0, 0;")
 
 
-def wait_for_prior_kernels(enabled: bool = True) -> jax.Array | int:
+# The select pass's form with early_dependents: the next kernel may launch
+# before this one waits (see signal_first).
+_ASM_SIGNAL_FIRST = ("griddepcontrol.launch_dependents;\n\t"
+                     "griddepcontrol.wait;\n\t"
+                     "mov.u32 $0, 0;")
+
+
+def wait_for_prior_kernels(enabled: bool = True, *,
+                           signal_first: bool = False) -> jax.Array | int:
   """Waits for the kernels before this one, then lets the next one start.
 
   Args:
     enabled: whether the kernel is built for a dependent launch (static).
       The kernels call this only when they are (so that without it their
       Triton IR is what it was before), and pass True.
+    signal_first: let the next kernel start before the wait instead (the
+      select pass, KernelConfig.early_dependents). Safe only in a kernel
+      the next of which reads, ahead of its own wait, nothing written
+      after the draft's first kernel: the block pass, which loads base and
+      proj there. Its start then still follows the wait of the kernel
+      before this one, which signals after its wait (the block pass), so
+      everything before that kernel's predecessor has completed.
 
   Returns:
     An int32 zero computed after the wait (enabled), to add to the indices
@@ -58,7 +73,8 @@ def wait_for_prior_kernels(enabled: bool = True) -> jax.Array | int:
   # lowering types a 0-d result as a 0-d tensor, and Triton's verifier wants
   # a tensor operand beside a tensor result.
   [zero] = plgpu.elementwise_inline_asm(
-      _ASM, args=[jnp.zeros((1,), jnp.int32)], constraints="=r,r", pack=1,
+      _ASM_SIGNAL_FIRST if signal_first else _ASM,
+      args=[jnp.zeros((1,), jnp.int32)], constraints="=r,r", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct((1,), jnp.int32)])
   return jnp.sum(zero)
 

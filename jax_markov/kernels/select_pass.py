@@ -243,12 +243,13 @@ def draw_token_chunked(bmax_ref, bsum_ref, cmax_ref, csum_ref, carg_ref,
 def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
                         block_v: int, steps: int, vocab: int, no_cache: bool,
                         dependent_launch: bool, block_major: bool,
-                        chunk: int | None):
+                        chunk: int | None, signal_first: bool = False):
   # Every access below reads what the block pass wrote, or writes what the
   # next step's block pass reads: all after the wait, through b.
   b = pl.program_id(0)
   if dependent_launch:
-    b = b + wait_for_prior_kernels(dependent_launch)
+    b = b + wait_for_prior_kernels(dependent_launch,
+                                   signal_first=signal_first)
   d = b * steps + ins["step"][0]  # this draw's flat index in the [B * S] arrays
   columns_ref = ins.get("columns")
   # Written through the output ref: with tokens given, the same buffer as the
@@ -388,7 +389,7 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
       blocks_pow2=pl.next_power_of_2(num_blocks), block_v=config.block_v,
       steps=num_steps, vocab=vocab, no_cache=no_cache,
       dependent_launch=dependent_launch, block_major=block_major,
-      chunk=chunk)
+      chunk=chunk, signal_first=config.early_dependents)
   chunk_max, chunk_sum, chunk_argmax = chunk_stats or (None, None, None)
   given = dict(block_max=block_max, block_sum=block_sum,
                block_argmax=block_argmax, cache=cache, step=step,

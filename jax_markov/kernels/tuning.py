@@ -17,7 +17,8 @@ rule:
   pipelines 3 stages deep; the table's B = 4 and 16 entries (16 x 128
   tiles) also load two proj chunks before the dependent-launch wait
   (early_proj), and the B = 64 entry's first-wave programs prefetch one
-  into L2 there (prefetch_proj);
+  into L2 there (prefetch_proj); the B = 4 to 128 entries let the next
+  step's block pass launch before the select pass waits (early_dependents);
 * xla_bias (selectable; vLLM's design, the bias GEMM in XLA): one request
   per program, vocabulary blocks of 1024 at B <= 4 and 4096 above;
 * mosaic (Hopper, the JAX sampler's dense layout; kernels/mosaic_block_pass.py):
@@ -59,10 +60,13 @@ def _batch_bucket(batch: int) -> int:
 # wait (captured native draft, H100, T = 1 / 0: B = 4 0.1946 / 0.1921 ms
 # against 0.2012 / 0.1980 without, B = 16 0.2196 / 0.2197 against 0.2262 /
 # 0.2250; B = 64's 64 x 128 tile loses with it; docs/perf-notes.md change
-# 42).
+# 42). early_dependents (here and at B = 64 and 128): the select pass lets
+# the next step's block pass launch before its own wait, into the step's
+# last wave (B = 4 / 16 / 64 / 128, T = 1: -2.4 / -4.7 / -7.2 / -9.5 us a
+# captured draft on an H100; change 45).
 _TILE_16X128 = KernelConfig(method="fused", block_b=16, block_v=128,
                             block_k=64, num_warps=4, num_stages=3,
-                            early_proj=2)
+                            early_proj=2, early_dependents=True)
 
 # (method, vocab, rank, batch bucket) -> KernelConfig, the fastest of
 # benchmarks/tune.py's or tune_graph.py's sweep on an H200
@@ -84,7 +88,12 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     # it.
     ("fused", 129280, 256, 64): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
-        num_stages=3, prefetch_proj=1, prefetch_programs=396),
+        num_stages=3, prefetch_proj=1, prefetch_programs=396,
+        early_dependents=True),
+    # B = 128 (the rule's tile, two request tiles) with early_dependents.
+    ("fused", 129280, 256, 128): KernelConfig(
+        method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
+        num_stages=3, early_dependents=True),
     ("fused", 129280, 256, 256): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
         num_stages=3),
