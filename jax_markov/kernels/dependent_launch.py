@@ -15,7 +15,11 @@ kernel: kernel k + 1 starts only once every program of kernel k has passed
 its wait, so kernel k - 1 and everything before it has completed. The block
 pass loads its base tile (the backbone's logits, written before the draft's
 first kernel, which waits first thing) before the wait, so that load
-overlaps the previous kernel's tail.
+overlaps the previous kernel's tail. The select pass may signal first
+(``signal_first``, KernelConfig.early_dependents): the next step's block
+pass then starts during the step's last wave; it still starts only after
+every program of the block pass before the select has passed its wait, so
+the same holds one kernel further back.
 
 The wait is inline PTX whose result, an int32 zero, is added to the indices
 of every load and store that must come after it: the compiler cannot issue
