@@ -86,7 +86,7 @@ def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
   if cfg.select == "persistent" or cfg.method != "fused":
     return
-  for rows in (16384, 32768, 49152, 65536):
+  for rows in (16384, 32768, 49152, 57344, 65536):
     # L2-kept rows exclude loads ahead of the wait (KernelConfig checks).
     yield dataclasses.replace(cfg, proj_l2_rows=rows, early_proj=0,
                               prefetch_proj=0, prefetch_programs=0)

@@ -164,11 +164,22 @@ def test_reduced_draft_vocab_lowers_at_deepseek_v4_shape(B):
                        draft_vocab=32768) == launches
 
 
-@pytest.mark.parametrize("B", [1, 4, 16, 64, 256])
+@pytest.mark.parametrize("B", [1, 2, 4, 8, 16, 32, 64, 128, 256])
 def test_table_entries_lower_at_deepseek_v4_shape(B):
   config = tuning.choose(None, B, DSV4["V"], DSV4["R"], interpret=False)
   launches = S if config.select == "tail" else 2 * S
   assert _triton_calls(config, B, **DSV4) == launches
+
+
+@pytest.mark.parametrize("B", [1, 8, 32, 64])
+def test_rule_lowers_at_a_200k_vocabulary(B):
+  """The rule (no table entry at this vocabulary): L2-kept rows at B = 1,
+  loads ahead of the wait and early dependents above it."""
+  config = tuning.choose(None, B, 200064, 256, interpret=False)
+  assert (config.proj_l2_rows > 0) == (B == 1)
+  assert config.early_dependents == (B > 1)
+  launches = S if config.select == "tail" else 2 * S
+  assert _triton_calls(config, B, 200064, 256) == launches
 
 
 def _pallas_operands(fn, *args):

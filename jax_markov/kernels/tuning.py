@@ -72,9 +72,12 @@ _TILE_16X128 = KernelConfig(method="fused", block_b=16, block_v=128,
 # benchmarks/tune.py's or tune_graph.py's sweep on an H200
 # (benchmarks/results/tune-*.json).
 TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
+    # B = 1: 57344 L2-kept rows (28 MB), as the rule keeps: 0.1591 / 0.1609
+    # ms against 0.1655 / 0.1633 with 49152 in two captured sweeps on an
+    # H100 (docs/perf-notes.md change 46).
     ("fused", 129280, 256, 1): KernelConfig(
         method="fused", block_b=1, block_v=128, block_k=64, num_warps=4,
-        num_stages=3, bias_dot="fma", select="tail", proj_l2_rows=49152),
+        num_stages=3, bias_dot="fma", select="tail", proj_l2_rows=57344),
     # B = 4 and 16: benchmarks/tune_graph.py (GPU time of the captured
     # native draft; the host hides these tiles' difference in tune.py):
     # 0.181 / 0.200 ms against the rule's 16 x 256 tile's 0.193 / 0.217.
@@ -94,9 +97,11 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     ("fused", 129280, 256, 128): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
         num_stages=3, early_dependents=True),
+    # B = 129 to 256 where the Mosaic GPU entry does not run (off Hopper, B
+    # not a multiple of 128): the B = 128 tile, early_dependents included.
     ("fused", 129280, 256, 256): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
-        num_stages=3),
+        num_stages=3, early_dependents=True),
     # The Mosaic GPU block pass (Hopper), picked by choose(hopper=True) for
     # batches it divides into request tiles: one step alone on an H200,
     # B = 256: 93-99 us against the Triton entry's 120 us; the JAX draft
@@ -234,14 +239,28 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
     return KernelConfig(method=method, block_b=1,
                         block_v=min(block_v, _next_pow2(vocab)), block_k=64,
                         num_warps=8 if batch <= 4 else 4)
-  if batch == 1:  # one request: the bias on the CUDA cores (docs/perf-notes.md)
+  if batch == 1:
+    # One request: the bias on the CUDA cores, and the first 57344 rows of
+    # proj (28 MB at R = 256, about half the H100's and H200's L2) kept in L2
+    # across the steps; at the 152k and 200k vocabularies that is 1.30-1.35x
+    # seed_design_graph against 1.14-1.22x without (docs/perf-notes.md,
+    # changes 22 and 46).
     return KernelConfig(method=method, block_b=1,
                         block_v=min(128, max(16, _next_pow2(vocab))),
                         block_k=min(64, _next_pow2(rank)), num_warps=4,
-                        num_stages=3, bias_dot="fma", select="tail")
+                        num_stages=3, bias_dot="fma", select="tail",
+                        proj_l2_rows=57344)
   block_b = min(64, max(16, _next_pow2(batch)))
-  block_v = 128 if block_b == 64 else 256  # the accumulator fits in registers
+  block_k = min(64, max(16, _next_pow2(rank)))
+  # The select pass lets the next step's block pass launch into its last
+  # wave (early_dependents), and 16-request tiles load their first two proj
+  # chunks before the dependent-launch wait (early_proj): the DeepSeek-V4
+  # entries' choices (changes 42 and 45), which only a dependent launch (the
+  # native runtime) uses. 16-request tiles take 128 columns as those entries
+  # do, and 32-request tiles too (change 46: 1.31-1.33x seed_design_graph
+  # at B = 32 and three vocabularies, against 1.15-1.23x with 256 columns).
   return KernelConfig(method=method, block_b=block_b,
-                      block_v=min(block_v, max(16, _next_pow2(vocab))),
-                      block_k=min(64, max(16, _next_pow2(rank))), num_warps=4,
-                      num_stages=3)
+                      block_v=min(128, max(16, _next_pow2(vocab))),
+                      block_k=block_k, num_warps=4, num_stages=3,
+                      early_proj=2 if block_b == 16 else 0,
+                      early_dependents=True)
