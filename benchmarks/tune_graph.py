@@ -75,8 +75,32 @@ def candidates(batch: int):
                             # narrower rank chunks, deeper pipelines
                             (64, 128, 32, 4, 4), (64, 128, 32, 4, 5),
                             (64, 256, 32, 8, 3)):
-    yield KernelConfig(method="fused", block_b=min(bb, max(16, batch)),
+    yield KernelConfig(method="fused",
+                       block_b=min(bb, max(16, tuning._next_pow2(batch))),  # noqa: SLF001
                        block_v=bv, block_k=bk, num_warps=w, num_stages=st)
+
+
+def partial_candidates(batch: int):
+  """Request tiles for a batch that does not fill its bucket's (B = 72 on
+  the 128 bucket's 64-request tiles: a second tile of 8 rows re-reads all
+  of proj from L2 and doubles the programs): every power-of-two tile from
+  16 requests to the bucket, 128 columns, the select pass letting the next
+  step launch early (as the table's entries do), and 128-request tiles on
+  8 warps (their accumulator does not fit 4); no more than 4 request
+  tiles (each re-reads proj)."""
+  top = max(16, tuning._next_pow2(batch))  # noqa: SLF001
+  bb = 16
+  while bb <= min(top, 64):
+    if -(-batch // bb) <= 4:
+      yield KernelConfig(method="fused", block_b=bb, block_v=128,
+                         block_k=64, num_warps=4, num_stages=3, early_dependents=True,
+                         early_proj=2 if bb == 16 else 0)
+    bb *= 2
+  if top >= 128:
+    for bv, bk, st in ((128, 64, 3), (64, 64, 3), (128, 32, 4)):
+      yield KernelConfig(method="fused", block_b=128, block_v=bv,
+                         block_k=bk, num_warps=8, num_stages=st,
+                         early_dependents=True)
 
 
 def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
@@ -313,9 +337,12 @@ def main(argv=None):
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
-                 choices=("tiles", "persistent", "mosaic", "l2", "select",
-                          "early", "prefetch", "dependents", "table"),
+                 choices=("tiles", "partial", "persistent", "mosaic", "l2",
+                          "select", "early", "prefetch", "dependents",
+                          "table"),
                  help="tiles: step-by-step tiles near the table's; "
+                 "partial: every request-tile size for a batch that does "
+                 "not fill its bucket (partial_candidates); "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
                  "Hopper); l2: the table's tile keeping proj rows in L2 "
@@ -352,7 +379,8 @@ def main(argv=None):
         hopper=torch.cuda.get_device_capability()[0] == 9,
         gpu=torch.cuda.get_device_name())
     seen, ref_tokens = [], None
-    grid = dict(tiles=candidates, persistent=persistent_candidates,
+    grid = dict(tiles=candidates, partial=partial_candidates,
+                persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
                 select=lambda b: select_candidates(b, shape.V, shape.R),

@@ -387,6 +387,15 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert all(c.select in ("pass", "tail") for c in cfgs)
     assert all(c.block_b <= max(16, batch) for c in cfgs)
     assert any(c.bias_dot == "fma" for c in cfgs) == (batch <= 16)
+    cfgs = list(tune_graph.candidates(batch + 8))  # between two buckets
+    assert all(c.block_b & (c.block_b - 1) == 0 for c in cfgs)
+  # Batches between the buckets: power-of-two tiles, at most 4 a batch.
+  for batch, sizes in ((24, {16, 32}), (72, {32, 64, 128}),
+                       (136, {64, 128}), (200, {64, 128})):
+    cfgs = list(tune_graph.partial_candidates(batch))
+    assert len(cfgs) == len(set(cfgs))
+    assert {c.block_b for c in cfgs} == sizes
+    assert all(c.early_dependents and c.select == "pass" for c in cfgs)
   # Mosaic GPU tiles: only those that divide B and fit in shared memory.
   for batch, sizes in ((64, {64}), (128, {64, 128}), (256, {64, 128})):
     cfgs = list(tune_graph.mosaic_candidates(batch))
