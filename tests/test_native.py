@@ -240,7 +240,8 @@ def test_dependent_launch_is_built_into_the_step_kernels(tmp_path, greedy,
                                                          draft_vocab):
   """With dependent_launch, a select-pass bucket's draw_params and block
   and select passes wait for the kernels before them (then let the next
-  start) once, after the block pass's base load; compiled, triton launches
+  start) once, after the block pass's base load (the select pass with
+  early_dependents lets the next start first); compiled, triton launches
   them with the attribute. Without it, or in a tail-select bucket (B = 1),
   no wait and no attribute; the two are cached apart."""
   import dataclasses
@@ -268,7 +269,12 @@ def test_dependent_launch_is_built_into_the_step_kernels(tmp_path, greedy,
         assert kernel.metadata.launch_pdl
         ptx = kernel.asm["ptx"]
         wait = ptx.index("griddepcontrol.wait")
-        assert wait < ptx.index("griddepcontrol.launch_dependents")
+        signal = ptx.index("griddepcontrol.launch_dependents")
+        # The select pass signals first where the tile has early_dependents
+        # (the rule's, above B = 1); every other kernel after its wait.
+        early = (name == "select_pass"
+                 and native_plan.shape_config(shape, bp).early_dependents)
+        assert (signal < wait) == early, name
         # Nothing the draft's kernels write is read before the wait: the
         # block pass reads only the step table and base there, the others
         # no global memory at all.
