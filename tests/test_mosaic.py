@@ -63,6 +63,20 @@ def test_table_picks_mosaic_at_b256():
   check_sample_draft(draft, *args)
 
 
+def test_table_picks_64_request_tiles_at_b192():
+  """B = 192 does not fill the 256 bucket's 128-request tiles: the Mosaic
+  rule's 64-request tiles (their chunk statistics through the chunk pass);
+  the draft is the contract's."""
+  args = make_problem(192, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=48, head_scale=0.1,
+                      temperature=np.linspace(0.0, 1.5, 192))
+  config = jm.sampler._config(None, None, 192, DSV4["V"], DSV4["R"], False,
+                              hopper=True)
+  assert (config.method, config.block_b) == ("mosaic", 64)
+  draft = jm.sample_draft(*args)
+  check_sample_draft(draft, *args)
+
+
 @pytest.mark.parametrize("V", [151936, 200064])
 def test_rule_picks_mosaic_at_other_vocabularies(V):
   """Shapes with no table entry take the Mosaic rule at B = 256 (the 152k

@@ -326,7 +326,12 @@ def test_choose_picks_mosaic_only_where_asked_and_it_runs():
   assert choose(None, 256, V, R, interpret=False).method == "fused"
   assert choose(None, 256, V, R, interpret=True, hopper=True).method == "fused"
   assert choose(None, 200, V, R, interpret=False, hopper=True).method == "fused"
+  assert choose(None, 136, V, R, interpret=False, hopper=True).method == "fused"
   assert choose(None, 64, V, R, interpret=False, hopper=True).method == "fused"
+  # B = 192 does not fill 128-request tiles: the rule's 64-request tiles.
+  b192 = choose(None, 192, V, R, interpret=False, hopper=True,
+                gpu="NVIDIA H100 80GB HBM3")
+  assert (b192.method, b192.block_b, b192.num_stages) == ("mosaic", 64, 4)
   # Shapes without entries: the Mosaic rule from B = 256 where B fills
   # 128-request tiles and V and R tile by 64 (4 proj chunks in flight on
   # the H100, as its entry at the DeepSeek-V4 shape).
@@ -337,6 +342,8 @@ def test_choose_picks_mosaic_only_where_asked_and_it_runs():
     h100 = choose(None, 512, vocab, R, interpret=False, hopper=True,
                   gpu="NVIDIA H100 80GB HBM3")
     assert (h100.method, h100.num_stages) == ("mosaic", 4)
+    b192 = choose(None, 192, vocab, R, interpret=False, hopper=True)
+    assert (b192.method, b192.block_b) == ("mosaic", 64)
     assert choose(None, 256, vocab, R, interpret=False).method == "fused"
     assert choose(None, 128, vocab, R, interpret=False,
                   hopper=True).method == "fused"

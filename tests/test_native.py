@@ -547,6 +547,15 @@ def test_gpu_eager_captured_and_jm_agree(m, s, v, r, dtype, calls):
   _eager_captured_and_jm_agree(m, s, v, r, dtype, calls)
 
 
+def test_gpu_engine_batch_sizes_agree():
+  """Buckets at an engine's CUDA-graph batch sizes, DeepSeek-V4 shape: B =
+  72 (a 64-request tile and one of 8 rows) and B = 192 (the Mosaic pass on
+  64-request tiles on Hopper, the Triton pass elsewhere) draft the
+  contract's draft, eager and captured."""
+  _eager_captured_and_jm_agree(256, 7, 129280, 256, torch.bfloat16, (72, 192),
+                               buckets=(72, 192))
+
+
 @pytest.mark.parametrize("m,s,v,r,dtype,calls", [
     (8, 3, 130, 8, torch.bfloat16, (1, 6, 3)),
     (256, 7, 129280, 256, torch.bfloat16, (1, 16, 64)),
@@ -617,14 +626,15 @@ def test_gpu_mosaic_eager_captured_and_jm_agree(monkeypatch, m, s, v, r,
 
 
 def _eager_captured_and_jm_agree(m, s, v, r, dtype, calls, replays=1,
-                                 rows=None):
-  """rows: None (random state rows) or n -> the state rows of n requests."""
+                                 rows=None, buckets=None):
+  """rows: None (random state rows) or n -> the state rows of n requests.
+  buckets: the hook's (None: its default)."""
   pytest.importorskip("triton")
   if not _GPU:
     pytest.skip("needs a CUDA GPU")
   spec = sd.SpeculatorDouble(max_num_reqs=m, num_steps=s, vocab=v, rank=r,
                              hidden=64, dtype=dtype, device="cuda")
-  sampler = _sampler(spec)
+  sampler = _sampler(spec, buckets=buckets)
   sampler.warmup(spec)
   for n in calls:
     hidden = spec.prepare(n, greedy=(0,),

@@ -171,21 +171,24 @@ def stepwise(config: KernelConfig) -> KernelConfig:
 
 def _mosaic_rule(batch: int, gpu: str | None = None) -> KernelConfig:
   # The H100 keeps 4 proj chunks in flight, as its DeepSeek-V4 entry does
-  # (GPU_TABLE); elsewhere as many as fit.
+  # (GPU_TABLE); elsewhere as many as fit. 64-request tiles where B does
+  # not fill 128-request ones: their chunk statistics take the chunk pass.
   return KernelConfig(method="mosaic", block_b=128 if batch % 128 == 0 else 64,
                       block_v=64,
                       num_stages=4 if gpu_family(gpu) == "h100" else 0)
 
 
 # Shapes with no Mosaic GPU entry of their own take the Mosaic rule from
-# this batch bucket up, where B fills 128-request tiles and the shape tiles
-# (docs/perf-notes.md change 41: at B = 256 the Triton pass is bound by L2
-# traffic at every vocabulary).
+# this batch bucket up, where B fills 64- or 128-request tiles and the shape
+# tiles (docs/perf-notes.md change 41: at B = 256 the Triton pass is bound
+# by L2 traffic at every vocabulary; change 47: B = 192 on 64-request
+# tiles). A batch in the bucket that fills neither (B = 136) stays on the
+# Triton pass, whose 64-request tiles take a partial last tile.
 MOSAIC_RULE_FROM = 256
 
 
 def _mosaic_rule_applies(batch: int, vocab: int, rank: int) -> bool:
-  return (_batch_bucket(batch) >= MOSAIC_RULE_FROM and batch % 128 == 0
+  return (_batch_bucket(batch) >= MOSAIC_RULE_FROM and batch % 64 == 0
           and vocab % 64 == 0 and rank % 64 == 0)
 
 
@@ -209,6 +212,12 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
     entry = _entry("mosaic", vocab, rank, batch, gpu)
     if (entry is None and (method, vocab, rank, _batch_bucket(batch))
         not in TABLE and _mosaic_rule_applies(batch, vocab, rank)):
+      entry = _mosaic_rule(batch, gpu)
+    if (entry is not None and batch % entry.block_b
+        and _mosaic_rule_applies(batch, vocab, rank)):
+      # B = 192 does not fill the 256 bucket's 128-request tiles: the
+      # rule's 64-request tiles, 1.31x seed_design_graph against the Triton
+      # pass's 1.26x on an H100 (docs/perf-notes.md change 47).
       entry = _mosaic_rule(batch, gpu)
     if (hopper and not interpret and entry is not None
         and batch % entry.block_b == 0):
