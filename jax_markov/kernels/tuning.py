@@ -204,8 +204,10 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
   hopper: the caller can run the Mosaic GPU block pass (a Hopper GPU, bf16
   operands, the dense layout, no reduced vocabulary: see
   :func:`mosaic_block_pass.available`); with method None the table's
-  "mosaic" entry for the shape then wins where the batch fills its request
-  tiles. method="mosaic" asks for it whatever the table says.
+  "mosaic" entry for the shape (or the Mosaic rule, on 64-request tiles
+  where the batch does not fill the entry's) then wins where the batch
+  fills its request tiles. method="mosaic" asks for it whatever the table
+  says.
   """
   if method is None:
     method = default_method(batch, vocab, rank)
