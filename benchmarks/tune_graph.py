@@ -103,6 +103,34 @@ def partial_candidates(batch: int):
                          early_dependents=True)
 
 
+def remainder_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The table's fused tile for a batch past its first request tile, with
+  the rows past the last full tile run in that tile's programs
+  (remainder_b) or as a tile of their own (remainder_b=0), and the
+  remainder bound at every power of two up to the tile: B = 112 leaves 48
+  rows, which only remainder_b >= 48 takes in. A batch that does not fill
+  the table's one tile (B = 24 on 32-request tiles) also tries the tile of
+  half the rows with the rest as its remainder (16 + 8 at B = 24; the
+  16-request tile with its early proj chunks, as the table's entries)."""
+  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if cfg.method != "fused" or cfg.select != "pass":
+    return
+  yield dataclasses.replace(cfg, remainder_b=0)
+  half = cfg.block_b // 2
+  if half >= 16 and half < batch < cfg.block_b:
+    yield dataclasses.replace(cfg, block_b=half, remainder_b=half - 1,
+                              early_proj=2 if half == 16 else 0)
+  rest = batch % cfg.block_b
+  if batch < cfg.block_b or not rest:
+    return
+  bound = 16
+  while bound < cfg.block_b:
+    if bound >= rest:
+      yield dataclasses.replace(cfg, remainder_b=bound)
+    bound *= 2
+  yield dataclasses.replace(cfg, remainder_b=cfg.block_b - 1)
+
+
 def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """The table's fused tile with the first rows of proj kept in L2 across
   the steps (proj_l2_rows: evict_last on those rows, evict_first on every
@@ -337,12 +365,16 @@ def main(argv=None):
   p.add_argument("--group", type=int, default=5)
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
-                 choices=("tiles", "partial", "persistent", "mosaic", "l2",
+                 choices=("tiles", "partial", "remainder", "persistent",
+                          "mosaic", "l2",
                           "select", "early", "prefetch", "dependents",
                           "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "partial: every request-tile size for a batch that does "
                  "not fill its bucket (partial_candidates); "
+                 "remainder: the table's tile with the rows past its last "
+                 "full request tile in that tile's programs, or not "
+                 "(remainder_candidates); "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
                  "Hopper); l2: the table's tile keeping proj rows in L2 "
@@ -380,6 +412,7 @@ def main(argv=None):
         gpu=torch.cuda.get_device_name())
     seen, ref_tokens = [], None
     grid = dict(tiles=candidates, partial=partial_candidates,
+                remainder=lambda b: remainder_candidates(b, shape.V, shape.R),
                 persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),

@@ -396,6 +396,14 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert len(cfgs) == len(set(cfgs))
     assert {c.block_b for c in cfgs} == sizes
     assert all(c.early_dependents and c.select == "pass" for c in cfgs)
+  # Remainder rows: without, then every bound that takes the rest in.
+  for batch, bounds in ((72, [0, 16, 32, 63]), (112, [0, 63]), (128, [0])):
+    cfgs = list(tune_graph.remainder_candidates(batch))
+    assert [c.remainder_b for c in cfgs] == bounds
+    assert all(c.block_b == 64 for c in cfgs)
+  # B = 24 fills 24 of the 32-request tile: also 16 + 8 remainder rows.
+  cfgs = list(tune_graph.remainder_candidates(24))
+  assert [(c.block_b, c.remainder_b) for c in cfgs] == [(32, 0), (16, 15)]
   # Mosaic GPU tiles: only those that divide B and fit in shared memory.
   for batch, sizes in ((64, {64}), (128, {64, 128}), (256, {64, 128})):
     cfgs = list(tune_graph.mosaic_candidates(batch))

@@ -5,6 +5,8 @@ Every test of test_sampler.py is collected here again under the ``gpu`` marker
 Run with ``pytest -m gpu``.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -137,6 +139,27 @@ def test_early_proj_changes_nothing_at_deepseek_v4_shape(tile, early_proj):
       select="tail" if block_b == 1 else "pass", early_proj=early))
             for early in (0, early_proj)]
   assert_sample_drafts_agree(drafts[1], drafts[0], *args)
+
+
+@pytest.mark.parametrize("B", [72, 80])
+def test_remainder_rows_change_nothing_at_deepseek_v4_shape(B):
+  """The table's 64-request tile with the rows past it in its programs (8
+  or 16 live rows of a 16-row tile) gives the draft of the plain grid, whose
+  second tile is partial (within float32 rounding: two compiled programs);
+  greedy drafts are equal."""
+  from jax_markov.kernels import tuning
+  from jax_markov.kernels.block_pass import request_tiles
+  config = tuning.choose("fused", B, DSV4["V"], DSV4["R"], interpret=False)
+  assert request_tiles(B, config) == (1, B - 64)
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=37, head_scale=0.1,
+                      temperature=np.arange(B) % 2 * 1.0)
+  plain = dataclasses.replace(config, remainder_b=0)
+  drafts = [jm.sample_draft(*args, config=c) for c in (plain, config)]
+  assert_sample_drafts_agree(drafts[1], drafts[0], *args)
+  check_sample_draft(drafts[1], *args)
+  greedy = [jm.greedy_draft(*args[:3], config=c) for c in (plain, config)]
+  np.testing.assert_array_equal(greedy[1], greedy[0])
 
 
 @pytest.mark.parametrize("B", [1, 3])

@@ -15,7 +15,7 @@ import pytest
 
 import jax_markov as jm
 from jax_markov import sampler
-from jax_markov.kernels import draft_pass, tuning
+from jax_markov.kernels import block_pass, draft_pass, tuning
 
 S = 3
 DSV4 = dict(V=129280, R=256)
@@ -169,6 +169,26 @@ def test_table_entries_lower_at_deepseek_v4_shape(B):
   config = tuning.choose(None, B, DSV4["V"], DSV4["R"], interpret=False)
   launches = S if config.select == "tail" else 2 * S
   assert _triton_calls(config, B, **DSV4) == launches
+
+
+@pytest.mark.parametrize("B,vocab", [(72, DSV4["V"]), (80, DSV4["V"]),
+                                     (76, 200064)])
+def test_remainder_rows_lower(B, vocab):
+  """Batches a few rows past one tile (the table's 64-request tile at 129k,
+  the rule's at 200k) run their remainder rows in the tile's programs, with
+  and without the reduced draft vocabulary and greedy drafting; two tiles
+  and more, or more rows over, take none."""
+  config = tuning.choose(None, B, vocab, DSV4["R"], interpret=False)
+  assert config.remainder_b and B % config.block_b <= config.remainder_b
+  for other in (88, 136, 200):
+    cfg = tuning.choose(None, other, vocab, DSV4["R"], interpret=False)
+    assert block_pass.request_tiles(other, cfg)[1] == 0
+  assert _triton_calls(config, B, vocab, DSV4["R"]) == 2 * S
+  assert _triton_calls(config, B, vocab, DSV4["R"], into=True) == 2 * S
+  if vocab == DSV4["V"] and B == 72:
+    assert _triton_calls(config, B, vocab, DSV4["R"],
+                         draft_vocab=32768) == 2 * S
+    assert _greedy_triton_calls(config, B, vocab, DSV4["R"]) == 2 * S
 
 
 @pytest.mark.parametrize("B", [1, 8, 32, 64])

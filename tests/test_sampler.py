@@ -13,6 +13,8 @@ equality is asserted only where the same compiled program reads the same
 values (cache rows no draw names, a repeated call).
 """
 
+import dataclasses
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -365,6 +367,90 @@ def test_early_proj_changes_no_result(block_b, bias_dot, select, k_loop,
   draft = jm.sample_draft(*args, config=config)
   assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
   _check_changing_rows(32, config)
+
+
+@pytest.mark.parametrize("B,block_b,remainder_b,bias_dot,k_loop,early_proj",
+                         [(21, 16, 8, "mma", "fori", 0),     # 1 tile + 5
+                          (40, 16, 15, "mma", "static", 1),  # 2 tiles + 8
+                          (7, 2, 1, "fma", "fori", 0),       # 3 tiles + 1
+                          (7, 4, 3, "fma", "fori", 2),       # 1 tile + 3
+                          (12, 4, 3, "fma", "fori", 0),      # no remainder
+                          (11, 4, 2, "fma", "fori", 0)])     # 3 > 2: partial
+def test_remainder_rows_agree(B, block_b, remainder_b, bias_dot, k_loop,
+                              early_proj):
+  """The last request tile's programs take the rows past it (remainder_b):
+  the grid, which rows are live and which programs store them change, not
+  the draft. Against the reference, both layouts, at temperatures 0 and 1;
+  and where the remainder does not fit remainder_b (or there is none) the
+  config runs the plain grid."""
+  from jax_markov.kernels.block_pass import request_tiles
+  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=64,
+                           block_k=32, bias_dot=bias_dot, k_loop=k_loop,
+                           early_proj=early_proj, remainder_b=remainder_b)
+  tiles, rest = request_tiles(B, config)
+  assert (tiles, rest) == ((B // block_b, B % block_b)
+                           if 0 < B % block_b <= remainder_b
+                           else (-(-B // block_b), 0))
+  args = make_problem(B, 3, 300, 80, seed=B,
+                      temperature=np.arange(B) % 2 * 1.0)
+  draft = jm.sample_draft(*args, config=config)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
+  base, anchor, head = args[:3]
+  np.testing.assert_array_equal(
+      jm.greedy_draft(base, anchor, head, config=config),
+      jm.reference.greedy_draft(base, anchor, head))
+  if B == 7:
+    # B = 5 state rows on 2-request tiles: 2 tiles and 1 row.
+    _check_changing_rows(35, dataclasses.replace(config, block_b=2,
+                                                    remainder_b=1))
+  if B == 21:
+    # 5 rows in a 16-row tile: 11 masked rows in the last tile's programs.
+    assert request_tiles(B, config) == (1, 5)
+
+
+@pytest.mark.parametrize("greedy", [False, True], ids=["sample", "greedy"])
+def test_remainder_rows_with_a_reduced_vocabulary(greedy):
+  """A reduced draft vocabulary (the grid walks target columns with slots,
+  or draft columns with their target ids when greedy) with remainder rows:
+  the reference's draft."""
+  rng = np.random.default_rng(36)
+  B, S, V, Vd, R = 21, 3, 200, 120, 32
+  base = jnp.asarray(3.0 * rng.standard_normal((B, S, Vd)), jnp.float32)
+  head = jm.MarkovHead(
+      jnp.asarray(0.3 * rng.standard_normal((V, R)), jnp.float32),
+      jnp.asarray(0.3 * rng.standard_normal((Vd, R)), jnp.float32))
+  d2t = rng.permutation(V)[:Vd].astype(np.int32)
+  anchor = jnp.asarray(rng.integers(0, V, B), jnp.int32)
+  config = jm.KernelConfig(method="fused", block_b=16, block_v=64,
+                           block_k=16, remainder_b=8)
+  if greedy:
+    np.testing.assert_array_equal(
+        jm.greedy_draft(base, anchor, head, draft_to_target=d2t,
+                        config=config),
+        jm.reference.greedy_draft(base, anchor, head, draft_to_target=d2t))
+    return
+  t = jnp.asarray(np.arange(B) % 2 * 1.0, jnp.float32)
+  seeds = rng.integers(-2**63, 2**63 - 1, B, dtype=np.int64)
+  pos = jnp.asarray(rng.integers(0, 10_000, (B, 1)) + np.arange(S), jnp.int32)
+  tokens, logits = jm.sample_draft(base, anchor, head, t, seeds, pos,
+                                   draft_to_target=d2t, config=config)
+  want_tokens, want_logits = jm.reference.sample_draft(
+      base, anchor, head, t, seeds, pos, draft_to_target=d2t)
+  # V = 200 target columns, 120 of them mapped: a draw on a rounding
+  # boundary has probability ~ Vd * 2^-24 (test_draft_vocab.py's argument).
+  np.testing.assert_array_equal(tokens, want_tokens)
+  np.testing.assert_allclose(logits, want_logits, rtol=2e-6, atol=2e-5)
+
+
+def test_remainder_b_is_checked():
+  for bad in (-1, 16, 17):
+    with pytest.raises(ValueError, match="remainder_b"):
+      jm.KernelConfig(method="fused", block_b=16, remainder_b=bad)
+  with pytest.raises(ValueError, match="remainder_b"):
+    jm.KernelConfig(method="xla_bias", block_b=2, remainder_b=1)
+  with pytest.raises(ValueError, match="remainder_b"):
+    jm.KernelConfig(method="fused", block_b=2, bias_dot="fma",
+                    select="persistent", remainder_b=1)
 
 
 @pytest.mark.parametrize("block_v,k_loop,unroll",

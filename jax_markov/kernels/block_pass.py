@@ -79,6 +79,26 @@ def num_request_tiles(batch: int, block_b: int) -> int:
   return pl.cdiv(batch, block_b)
 
 
+def request_tiles(batch: int, config: KernelConfig) -> tuple[int, int]:
+  """(request tiles of the grid, remainder rows) for B = batch.
+
+  With ``config.remainder_b`` and B = q * block_b + r, 0 < r <=
+  remainder_b, q >= 1: q full tiles, and the last tile's programs also take
+  the r rows past them (:func:`remainder_tile` rows, r of them live).
+  Otherwise ceil(B / block_b) tiles, the last one partial, and no remainder.
+  """
+  block_b, rest = config.block_b, batch % config.block_b
+  if batch > block_b and 0 < rest <= config.remainder_b:
+    return batch // block_b, rest
+  return num_request_tiles(batch, block_b), 0
+
+
+def remainder_tile(rows: int, bias_dot: str) -> int:
+  """Rows of the tile that holds ``rows`` remainder rows: a power of two,
+  at least 16 on the tensor cores (their smallest tile)."""
+  return max(16 if bias_dot == "mma" else 1, pl.next_power_of_2(rows))
+
+
 def first_max_index(y, y_max):
   """The first column of each row of y [rows, cols] that equals its max.
 
@@ -142,7 +162,8 @@ def bias_chunk(acc, emb, proj, *, bias_dot: str, precision):
 
 def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                        steps: int, vocab: int, rank: int, keep_blocks: int,
-                       precision, no_cache: bool, dependent_launch: bool):
+                       remainder_rows: int, precision, no_cache: bool,
+                       dependent_launch: bool):
   fused = config.fused
   block_b, block_v, block_k = config.block_b, config.block_v, config.block_k
   bias_dot = config.bias_dot
@@ -168,10 +189,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # still in L2 (proj is the same every step and larger than L2, so in one
     # direction each step would evict what the next one needs first).
     j = jnp.where(step_ref[0] % 2 == 1, pl.num_programs(1) - 1 - j, j)
-  b0 = i * block_b
   v0 = j * block_v
-  b_idx = b0 + jnp.arange(block_b)
-  b_mask = b_idx < batch
   v_mask = v0 + jnp.arange(block_v) < vocab
   if slots_ref is None:
     d_mask, d_cols = v_mask, v0 + jnp.arange(block_v)
@@ -181,10 +199,25 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                       other=-1)
     d_mask = v_mask & (slot >= 0)
     d_cols = jnp.where(d_mask, slot, 0)
-  tile_mask = b_mask[:, None] & d_mask[None, :]
+  # The request tiles a program takes: its own, and with remainder rows the
+  # grid's last tile also the rows past it (its own tile then holds no
+  # padding), so that one read of the proj tile serves both and no program
+  # of a mostly empty tile re-reads it (docs/perf-notes.md change 48).
+  tiles = [i * block_b + jnp.arange(block_b)]
+  last = None
+  if remainder_rows:
+    last = i == pl.num_programs(0) - 1
+    tiles.append((batch - remainder_rows)
+                 + jnp.arange(remainder_tile(remainder_rows, bias_dot)))
+
+  def row_masks(b_idx, g):
+    b_mask = b_idx < batch
+    return b_mask if g == 0 else b_mask & last
+
+  masks = [row_masks(b_idx, g) for g, b_idx in enumerate(tiles)]
   # Draw (b, s) is flat index b * S + s of the per-draw arrays and of base's
   # rows; masked requests index past them and are never loaded.
-  draw = b_idx * steps + step_ref[0]
+  draws = [b_idx * steps + step_ref[0] for b_idx in tiles]
 
   # Gathers and scatters index rows and columns with arrays (not a slice
   # beside an array), the one mixed form both Triton and the interpreter take;
@@ -194,18 +227,23 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # rest of proj) leaves L2 first, so the first keep_blocks blocks of proj,
   # which every step reads again, stay there from one step to the next.
   stream = "evict_first" if keep_blocks else None
-  if slots_ref is None:
-    x = plgpu.load(base_ref.at[draw[:, None], d_cols[None, :]],
-                   mask=tile_mask, other=0, eviction_policy=stream)
-  else:
-    # Gathered as [columns, requests] and transposed: triton 3.6 gives a
-    # gathered tile's dim 0 to a warp's 32 threads, so in [requests, columns]
-    # a warp's load touched 32 rows' sectors (161 against 109 us a step at
-    # B = 256; docs/perf-notes.md change 29); along the columns it reads 64
-    # contiguous bytes of one row.
-    x = plgpu.load(base_ref.at[draw[None, :], d_cols[:, None]],
-                   mask=tile_mask.T, other=0, eviction_policy=stream).T
-  x = x.astype(jnp.float32)
+
+  def load_base(draw, b_mask):
+    tile_mask = b_mask[:, None] & d_mask[None, :]
+    if slots_ref is None:
+      x = plgpu.load(base_ref.at[draw[:, None], d_cols[None, :]],
+                     mask=tile_mask, other=0, eviction_policy=stream)
+    else:
+      # Gathered as [columns, requests] and transposed: triton 3.6 gives a
+      # gathered tile's dim 0 to a warp's 32 threads, so in [requests,
+      # columns] a warp's load touched 32 rows' sectors (161 against 109 us
+      # a step at B = 256; docs/perf-notes.md change 29); along the columns
+      # it reads 64 contiguous bytes of one row.
+      x = plgpu.load(base_ref.at[draw[None, :], d_cols[:, None]],
+                     mask=tile_mask.T, other=0, eviction_policy=stream).T
+    return x.astype(jnp.float32)
+
+  xs = [load_base(draw, b_mask) for draw, b_mask in zip(draws, masks)]
   warm = []  # prefetched proj chunks (config.prefetch_proj)
   if fused:
     proj_ref = ins["proj"]
@@ -248,44 +286,52 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       # before the rank loop (the first wave's loads have landed by then).
       zero = zero + dependent_launch_module.zero_after(
           sum(jnp.max(w.astype(jnp.float32)) for w in warm))
-    i, b_idx, draw = i + zero, b_idx + zero, draw + zero
+    i = i + zero
+    tiles = [b_idx + zero for b_idx in tiles]
+    draws = [draw + zero for draw in draws]
   if fused:
     # The previous token of each request: its anchor at step 0, else what the
     # select pass drew at step - 1. Its embedding row is gathered here, so no
     # [B, R] embedding array passes between the kernels.
     embed_ref = ins["embed"]
-    prev = plgpu.load(ins["anchors"].at[b_idx], mask=b_mask, other=0)
-    if tokens_ref is not None:
-      drawn = plgpu.load(tokens_ref.at[draw - 1],
-                         mask=b_mask & (step_ref[0] > 0), other=0)
-      prev = jnp.where(step_ref[0] > 0, drawn, prev)
-    # An anchor outside the table is clamped, as XLA's gather clamps.
-    prev = jnp.clip(prev, 0, embed_ref.shape[0] - 1)
-    b_rows = prev[:, None]
+
+    def previous_rows(b_idx, draw, b_mask):
+      prev = plgpu.load(ins["anchors"].at[b_idx], mask=b_mask, other=0)
+      if tokens_ref is not None:
+        drawn = plgpu.load(tokens_ref.at[draw - 1],
+                           mask=b_mask & (step_ref[0] > 0), other=0)
+        prev = jnp.where(step_ref[0] > 0, drawn, prev)
+      # An anchor outside the table is clamped, as XLA's gather clamps.
+      return jnp.clip(prev, 0, embed_ref.shape[0] - 1)[:, None]
+
+    prev_rows = [previous_rows(*t) for t in zip(tiles, draws, masks)]
     v_rows = d_cols[:, None]
 
-    def rank_chunk(k0, acc, proj_policy, proj=None):
+    def rank_chunk(k0, accs, proj_policy, proj=None):
       k_cols = (k0 + jnp.arange(block_k))[None, :]
-      emb = plgpu.load(embed_ref.at[b_rows, k_cols],
-                       mask=b_mask[:, None] & (k_cols < rank), other=0)
       if proj is None:
         proj = load_proj(k_cols, proj_policy, v_rows)
-      return bias_chunk(acc, emb, proj, bias_dot=bias_dot,
-                        precision=precision)
+      out = []
+      for acc, b_rows, b_mask in zip(accs, prev_rows, masks):
+        emb = plgpu.load(embed_ref.at[b_rows, k_cols],
+                         mask=b_mask[:, None] & (k_cols < rank), other=0)
+        out.append(bias_chunk(acc, emb, proj, bias_dot=bias_dot,
+                              precision=precision))
+      return tuple(out)
 
-    def bias_loop(acc, proj_policy):
+    def bias_loop(accs, proj_policy):
       for c, proj in enumerate(early):
-        acc = rank_chunk(c * block_k, acc, proj_policy, proj)
+        accs = rank_chunk(c * block_k, accs, proj_policy, proj)
       first = len(early)
       if config.k_loop == "fori" and first < num_chunks:
         # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
         # while the tensor cores work on this one.
         return jax.lax.fori_loop(
             first, num_chunks,
-            lambda c, acc: rank_chunk(c * block_k, acc, proj_policy), acc)
+            lambda c, accs: rank_chunk(c * block_k, accs, proj_policy), accs)
       for c in range(first, num_chunks):  # "static": no software pipelining
-        acc = rank_chunk(c * block_k, acc, proj_policy)
-      return acc
+        accs = rank_chunk(c * block_k, accs, proj_policy)
+      return accs
 
     # The base tile is the accumulator's initial value: no second [block_b,
     # block_v] float32 tile stays live across the rank loop (168 -> 128
@@ -295,64 +341,74 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       # and the program takes one branch. At the last step the kept blocks
       # are read evict_first too: the draft leaves nothing pinned behind it.
       keep = (j < keep_blocks) & (step_ref[0] < steps - 1)
-      x = jax.lax.cond(keep, lambda acc: bias_loop(acc, "evict_last"),
-                       lambda acc: bias_loop(acc, "evict_first"), x)
+      xs = jax.lax.cond(keep, lambda accs: bias_loop(accs, "evict_last"),
+                        lambda accs: bias_loop(accs, "evict_first"),
+                        tuple(xs))
     else:
-      x = bias_loop(x, None)
+      xs = bias_loop(tuple(xs), None)
   else:
-    rows = jnp.where(b_mask, b_idx, 0)
-    x = x + plgpu.load(ins["bias"].at[rows[:, None], d_cols[None, :]],
-                       mask=tile_mask, other=0)
-  if slots_ref is not None:
-    x = jnp.where(d_mask[None, :], x, -jnp.inf)
+    def add_bias(x, b_idx, b_mask):
+      rows = jnp.where(b_mask, b_idx, 0)
+      return x + plgpu.load(ins["bias"].at[rows[:, None], d_cols[None, :]],
+                            mask=b_mask[:, None] & d_mask[None, :], other=0)
 
-  if no_cache:
-    # Greedy drafting: the argmax of x (NaN as -inf) is all the select needs.
-    y = jnp.where(x == x, x, -jnp.inf)
-    y = jnp.where(v_mask[None, :], y, -jnp.inf)
-    y_max = jnp.max(y, axis=1)
+    xs = [add_bias(*t) for t in zip(xs, tiles, masks)]
+  if slots_ref is not None:
+    xs = [jnp.where(d_mask[None, :], x, -jnp.inf) for x in xs]
+
+  def epilogue(x, b_idx, draw, b_mask):
+    """The tile's cache stores and block statistics (rows b_idx)."""
+    if no_cache:
+      # Greedy drafting: the argmax of x (NaN as -inf) is all the select
+      # needs.
+      y = jnp.where(x == x, x, -jnp.inf)
+      y = jnp.where(v_mask[None, :], y, -jnp.inf)
+      y_max = jnp.max(y, axis=1)
+      plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
+      plgpu.store(barg_ref.at[b_idx, j], first_max_index(y, y_max) + v0,
+                  mask=b_mask)
+      return
+    if cache_rows_ref is None:
+      write = b_mask
+      cache_rows = draw
+    else:
+      cache_rows = plgpu.load(cache_rows_ref.at[draw], mask=b_mask, other=-1)
+      write = cache_rows >= 0
+    # The cache holds pre-temperature logits: the verifier applies its own T.
+    # Rows not written point past the cache, never at a row another request
+    # writes (the interpreter's scatter has no order between duplicates).
+    cache_rows = jnp.where(write, cache_rows, cache_ref.shape[0])
+    plgpu.store(cache_ref.at[cache_rows[:, None], cols], x,
+                mask=write[:, None] & v_mask[None, :], eviction_policy=stream)
+
+    scale = plgpu.load(params_ref.at[0, draw], mask=b_mask, other=1.0)
+    y_max, y_sum, y_arg = block_statistics(x, v_mask[None, :],
+                                           scale[:, None], v0)
+    if slots_ref is not None:
+      # An all -inf block names its first mapped column, or -1 with none (the
+      # select pass skips it): the argmax of an all -inf row is then the
+      # lowest mapped target id, as with the draft columns, never an
+      # unmapped one.
+      first = jnp.min(jnp.where(d_mask, jnp.arange(block_v), block_v))
+      first = jnp.where(first < block_v, v0 + first, -1)
+      y_arg = jnp.where(y_max > -jnp.inf, y_arg, first)
+    # Request-major [B, NB]: the select pass then reads each request's
+    # statistics as one contiguous row (a column of [NB, B] is one 32-byte
+    # sector per value); these stores are spread over all programs instead.
+    # Masked requests' rows (b_idx >= B) are distinct and past the array.
     plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
-    plgpu.store(barg_ref.at[b_idx, j], first_max_index(y, y_max) + v0,
-                mask=b_mask)
-    if config.select == "tail":
-      _tail_select(ins, outs, i, config=config, steps=steps, vocab=vocab,
-                   no_cache=True)
-    return
+    plgpu.store(bsum_ref.at[b_idx, j], y_sum, mask=b_mask)
+    plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
 
-  if cache_rows_ref is None:
-    write = b_mask
-    cache_rows = draw
-  else:
-    cache_rows = plgpu.load(cache_rows_ref.at[draw], mask=b_mask, other=-1)
-    write = cache_rows >= 0
-  # The cache holds pre-temperature logits: the verifier applies its own T.
-  # Rows not written point past the cache, never at a row another request
-  # writes (the interpreter's scatter has no order between duplicates).
-  cache_rows = jnp.where(write, cache_rows, cache_ref.shape[0])
-  plgpu.store(cache_ref.at[cache_rows[:, None], cols], x,
-              mask=write[:, None] & v_mask[None, :], eviction_policy=stream)
-
-  scale = plgpu.load(params_ref.at[0, draw], mask=b_mask, other=1.0)
-  y_max, y_sum, y_arg = block_statistics(x, v_mask[None, :], scale[:, None],
-                                         v0)
-  if slots_ref is not None:
-    # An all -inf block names its first mapped column, or -1 with none (the
-    # select pass skips it): the argmax of an all -inf row is then the lowest
-    # mapped target id, as with the draft columns, never an unmapped one.
-    first = jnp.min(jnp.where(d_mask, jnp.arange(block_v), block_v))
-    first = jnp.where(first < block_v, v0 + first, -1)
-    y_arg = jnp.where(y_max > -jnp.inf, y_arg, first)
-  # Request-major [B, NB]: the select pass then reads each request's
-  # statistics as one contiguous row (a column of [NB, B] is one 32-byte
-  # sector per value); these stores are spread over all programs instead.
-  # Masked requests' rows (b_idx >= B) are distinct and past the array.
-  plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
-  plgpu.store(bsum_ref.at[b_idx, j], y_sum, mask=b_mask)
-  plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
+  epilogue(xs[0], tiles[0], draws[0], masks[0])
+  if remainder_rows:
+    # Only the last tile's programs store remainder rows: the others skip
+    # their arithmetic (their loads above were masked off).
+    pl.when(last)(lambda: epilogue(xs[1], tiles[1], draws[1], masks[1]))
 
   if config.select == "tail":
     _tail_select(ins, outs, i, config=config, steps=steps, vocab=vocab,
-                 no_cache=False)
+                 no_cache=no_cache)
 
 
 def _tail_select(ins, outs, i, *, config: KernelConfig, steps: int,
@@ -510,6 +566,7 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
   rank = proj.shape[1] if fused else 0
   num_blocks = pl.cdiv(vocab, config.block_v)
   num_tiles = num_request_tiles(batch, config.block_b)
+  grid_tiles, remainder_rows = request_tiles(batch, config)
   if tail != (counters is not None) or (
       tail and (counters.shape != (num_tiles,) or counters.dtype != jnp.int32)):
     raise ValueError(f"select='tail' needs counters int32 [{num_tiles}] "
@@ -555,12 +612,13 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
     outputs["counters"] = jax.ShapeDtypeStruct((num_tiles,), jnp.int32)
   kernel = functools.partial(
       _block_pass_kernel, config=config, batch=batch, steps=num_steps,
-      vocab=vocab, rank=rank, keep_blocks=keep_blocks, precision=precision,
-      no_cache=no_cache, dependent_launch=dependent_launch)
+      vocab=vocab, rank=rank, keep_blocks=keep_blocks,
+      remainder_rows=remainder_rows, precision=precision, no_cache=no_cache,
+      dependent_launch=dependent_launch)
   out = named_call(
       kernel, {name: given[name] for name in INPUTS}, outputs,
       aliased=ALIASED,
-      grid=(num_tiles, num_blocks),
+      grid=(grid_tiles, num_blocks),
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=interpret,

@@ -92,6 +92,15 @@ class KernelConfig:
       leaves idle and load base (and early or prefetched proj) while it
       ends (kernels/dependent_launch.py says why that is safe;
       docs/perf-notes.md change 45). False: after the wait.
+    remainder_b: fused, select="pass": where B = q * block_b + r with q >= 1
+      and 0 < r <= remainder_b, the grid has q request tiles and the last
+      one's programs also take the r rows past them, as a second tile (r
+      rounded up to a power of two, at least 16 on the tensor cores) in the
+      same rank loop: each proj chunk is loaded once for both, where a
+      (q + 1)-th tile of r live rows would read the whole of proj again and
+      add a program a vocabulary block (B = 72 on 64-request tiles;
+      docs/perf-notes.md change 48). Below block_b; 0, or another B: the
+      last tile is partial, as without it.
   """
   method: str = "fused"
   block_b: int = 16
@@ -113,6 +122,7 @@ class KernelConfig:
   prefetch_proj: int = 0
   prefetch_programs: int = 0
   early_dependents: bool = False
+  remainder_b: int = 0
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -183,6 +193,15 @@ class KernelConfig:
       raise ValueError("prefetch_programs must be >= 0 and is for "
                        f"prefetch_proj > 0, got {self.prefetch_programs} with "
                        f"prefetch_proj={self.prefetch_proj}")
+
+    if self.remainder_b:
+      if not 0 < self.remainder_b < self.block_b:
+        raise ValueError(f"remainder_b must be in [0, block_b = "
+                         f"{self.block_b}), got {self.remainder_b}")
+      if not (fused and self.select == "pass"):
+        raise ValueError(
+            "remainder_b needs the fused method with the select pass, got "
+            f"method={self.method!r}, select={self.select!r}")
 
     if self.early_dependents and self.select != "pass":
       raise ValueError("early_dependents is for the select pass "

@@ -68,6 +68,17 @@ _TILE_16X128 = KernelConfig(method="fused", block_b=16, block_v=128,
                             block_k=64, num_warps=4, num_stages=3,
                             early_proj=2, early_dependents=True)
 
+# The most rows past a batch's one full request tile that the tile's
+# programs also take (KernelConfig.remainder_b), at B = 65-127 on 64-request
+# tiles: B = 72 and 80 run 64 + 8 / 16 rows in one grid instead of a second
+# tile of 8 / 16 live rows that reads all of proj again (captured native
+# draft, H200, T = 1: 0.3747 / 0.3847 ms against 0.3972 / 0.4044). A
+# 32-row remainder tile loses (B = 88 and 96: +0.7% / +1.4%), and with two
+# or more full tiles every program carries the remainder's registers (B =
+# 136 and 200: +13% / +19%; docs/perf-notes.md change 48).
+REMAINDER_B = 16
+
+
 # (method, vocab, rank, batch bucket) -> KernelConfig, the fastest of
 # benchmarks/tune.py's or tune_graph.py's sweep on an H200
 # (benchmarks/results/tune-*.json).
@@ -93,10 +104,12 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
         num_stages=3, prefetch_proj=1, prefetch_programs=396,
         early_dependents=True),
-    # B = 128 (the rule's tile, two request tiles) with early_dependents.
+    # B = 128 (the rule's tile, two request tiles) with early_dependents;
+    # B = 65 to 127 that leave up to REMAINDER_B rows past the first tile
+    # run them in its programs (remainder_b).
     ("fused", 129280, 256, 128): KernelConfig(
         method="fused", block_b=64, block_v=128, block_k=64, num_warps=4,
-        num_stages=3, early_dependents=True),
+        num_stages=3, early_dependents=True, remainder_b=REMAINDER_B),
     # B = 129 to 256 where the Mosaic GPU entry does not run (off Hopper, B
     # not a multiple of 128): the B = 128 tile, early_dependents included.
     ("fused", 129280, 256, 256): KernelConfig(
@@ -124,6 +137,14 @@ GPU_TABLE: dict[tuple[str, str, int, int, int], KernelConfig] = {
     # in two sessions on two machines (benchmarks/results/
     # tune-graph-fold*-nvidia-h100-dsv4.json; docs/perf-notes.md change 40).
     ("h100", "mosaic", 129280, 256, 256): KernelConfig(
+        method="mosaic", block_b=128, block_v=64, num_stages=4),
+    # B = 128 on the H200: the Mosaic pass, 4 proj chunks in flight, the
+    # chunk statistics folded: 0.4257 ms against the Triton entry's 0.4528
+    # and seed_design_graph's 0.5377 (captured native draft, T = 1;
+    # benchmarks/results/tune-graph-mosaic-nvidia-h200-dsv4.json,
+    # docs/perf-notes.md change 49). On an H100 the Triton entry wins there
+    # (0.511 against 0.553, results/mosaic-b128-nvidia-h100.json).
+    ("h200", "mosaic", 129280, 256, 128): KernelConfig(
         method="mosaic", block_b=128, block_v=64, num_stages=4),
 }
 
@@ -270,8 +291,12 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
   # native runtime) uses. 16-request tiles take 128 columns as those entries
   # do, and 32-request tiles too (change 46: 1.31-1.33x seed_design_graph
   # at B = 32 and three vocabularies, against 1.15-1.23x with 256 columns).
+  # A batch between one and two tiles that leaves a few rows over runs them
+  # in the tile's programs (remainder_b; change 48).
   return KernelConfig(method=method, block_b=block_b,
                       block_v=min(128, max(16, _next_pow2(vocab))),
                       block_k=block_k, num_warps=4, num_stages=3,
                       early_proj=2 if block_b == 16 else 0,
-                      early_dependents=True)
+                      early_dependents=True,
+                      remainder_b=(REMAINDER_B
+                                   if block_b < batch < 2 * block_b else 0))
