@@ -108,7 +108,10 @@ def remainder_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   the rows past the last full tile run in that tile's programs
   (remainder_b) or as a tile of their own (remainder_b=0), and the
   remainder bound at every power of two up to the tile: B = 112 leaves 48
-  rows, which only remainder_b >= 48 takes in. A batch that does not fill
+  rows, which only remainder_b >= 48 takes in; then the widest bound with
+  the remainder's rank loop after the tile's (remainder_pass="after",
+  which keeps the tile's registers: it wins where "joint" costs a program
+  a multiprocessor). A batch that does not fill
   the table's one tile (B = 24 on 32-request tiles) also tries the tile of
   half the rows with the rest as its remainder (16 + 8 at B = 24; the
   16-request tile with its early proj chunks, as the table's entries)."""
@@ -129,6 +132,9 @@ def remainder_candidates(batch: int, vocab: int = 129280, rank: int = 256):
       yield dataclasses.replace(cfg, remainder_b=bound)
     bound *= 2
   yield dataclasses.replace(cfg, remainder_b=cfg.block_b - 1)
+  # The remainder's own rank loop after the tile's (remainder_pass).
+  yield dataclasses.replace(cfg, remainder_b=cfg.block_b - 1,
+                            remainder_pass="after")
 
 
 def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):

@@ -397,9 +397,11 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert {c.block_b for c in cfgs} == sizes
     assert all(c.early_dependents and c.select == "pass" for c in cfgs)
   # Remainder rows: without, then every bound that takes the rest in.
-  for batch, bounds in ((72, [0, 16, 32, 63]), (112, [0, 63]), (128, [0])):
+  for batch, bounds in ((72, [0, 16, 32, 63, 63]), (112, [0, 63, 63]),
+                        (128, [0])):
     cfgs = list(tune_graph.remainder_candidates(batch))
     assert [c.remainder_b for c in cfgs] == bounds
+    assert [c.remainder_pass for c in cfgs].count("after") == (batch != 128)
     assert all(c.block_b == 64 for c in cfgs)
   # B = 24 fills 24 of the 32-request tile: also 16 + 8 remainder rows.
   cfgs = list(tune_graph.remainder_candidates(24))

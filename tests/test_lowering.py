@@ -9,6 +9,8 @@ count: 2 a step with the select pass, 1 a step with the tail select, 1 a
 draft with the persistent draft.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -185,6 +187,8 @@ def test_remainder_rows_lower(B, vocab):
     assert block_pass.request_tiles(other, cfg)[1] == 0
   assert _triton_calls(config, B, vocab, DSV4["R"]) == 2 * S
   assert _triton_calls(config, B, vocab, DSV4["R"], into=True) == 2 * S
+  after = dataclasses.replace(config, remainder_pass="after")
+  assert _triton_calls(after, B, vocab, DSV4["R"]) == 2 * S
   if vocab == DSV4["V"] and B == 72:
     assert _triton_calls(config, B, vocab, DSV4["R"],
                          draft_vocab=32768) == 2 * S

@@ -369,15 +369,19 @@ def test_early_proj_changes_no_result(block_b, bias_dot, select, k_loop,
   _check_changing_rows(32, config)
 
 
-@pytest.mark.parametrize("B,block_b,remainder_b,bias_dot,k_loop,early_proj",
-                         [(21, 16, 8, "mma", "fori", 0),     # 1 tile + 5
-                          (40, 16, 15, "mma", "static", 1),  # 2 tiles + 8
-                          (7, 2, 1, "fma", "fori", 0),       # 3 tiles + 1
-                          (7, 4, 3, "fma", "fori", 2),       # 1 tile + 3
-                          (12, 4, 3, "fma", "fori", 0),      # no remainder
-                          (11, 4, 2, "fma", "fori", 0)])     # 3 > 2: partial
+@pytest.mark.parametrize(
+    "B,block_b,remainder_b,bias_dot,k_loop,early_proj,remainder_pass",
+    [(21, 16, 8, "mma", "fori", 0, "joint"),     # 1 tile + 5
+     (21, 16, 8, "mma", "fori", 1, "after"),
+     (40, 16, 15, "mma", "static", 1, "joint"),  # 2 tiles + 8
+     (40, 16, 15, "mma", "fori", 0, "after"),
+     (7, 2, 1, "fma", "fori", 0, "joint"),       # 3 tiles + 1
+     (7, 2, 1, "fma", "static", 0, "after"),
+     (7, 4, 3, "fma", "fori", 2, "joint"),       # 1 tile + 3
+     (12, 4, 3, "fma", "fori", 0, "joint"),      # no remainder
+     (11, 4, 2, "fma", "fori", 0, "after")])     # 3 > 2: partial
 def test_remainder_rows_agree(B, block_b, remainder_b, bias_dot, k_loop,
-                              early_proj):
+                              early_proj, remainder_pass):
   """The last request tile's programs take the rows past it (remainder_b):
   the grid, which rows are live and which programs store them change, not
   the draft. Against the reference, both layouts, at temperatures 0 and 1;
@@ -386,7 +390,8 @@ def test_remainder_rows_agree(B, block_b, remainder_b, bias_dot, k_loop,
   from jax_markov.kernels.block_pass import request_tiles
   config = jm.KernelConfig(method="fused", block_b=block_b, block_v=64,
                            block_k=32, bias_dot=bias_dot, k_loop=k_loop,
-                           early_proj=early_proj, remainder_b=remainder_b)
+                           early_proj=early_proj, remainder_b=remainder_b,
+                           remainder_pass=remainder_pass)
   tiles, rest = request_tiles(B, config)
   assert (tiles, rest) == ((B // block_b, B % block_b)
                            if 0 < B % block_b <= remainder_b
@@ -408,8 +413,9 @@ def test_remainder_rows_agree(B, block_b, remainder_b, bias_dot, k_loop,
     assert request_tiles(B, config) == (1, 5)
 
 
+@pytest.mark.parametrize("remainder_pass", ["joint", "after"])
 @pytest.mark.parametrize("greedy", [False, True], ids=["sample", "greedy"])
-def test_remainder_rows_with_a_reduced_vocabulary(greedy):
+def test_remainder_rows_with_a_reduced_vocabulary(greedy, remainder_pass):
   """A reduced draft vocabulary (the grid walks target columns with slots,
   or draft columns with their target ids when greedy) with remainder rows:
   the reference's draft."""
@@ -422,7 +428,8 @@ def test_remainder_rows_with_a_reduced_vocabulary(greedy):
   d2t = rng.permutation(V)[:Vd].astype(np.int32)
   anchor = jnp.asarray(rng.integers(0, V, B), jnp.int32)
   config = jm.KernelConfig(method="fused", block_b=16, block_v=64,
-                           block_k=16, remainder_b=8)
+                           block_k=16, remainder_b=8,
+                           remainder_pass=remainder_pass)
   if greedy:
     np.testing.assert_array_equal(
         jm.greedy_draft(base, anchor, head, draft_to_target=d2t,
@@ -448,6 +455,9 @@ def test_remainder_b_is_checked():
       jm.KernelConfig(method="fused", block_b=16, remainder_b=bad)
   with pytest.raises(ValueError, match="remainder_b"):
     jm.KernelConfig(method="xla_bias", block_b=2, remainder_b=1)
+  with pytest.raises(ValueError, match="remainder_pass"):
+    jm.KernelConfig(method="fused", block_b=16, remainder_b=8,
+                    remainder_pass="before")
   with pytest.raises(ValueError, match="remainder_b"):
     jm.KernelConfig(method="fused", block_b=2, bias_dot="fma",
                     select="persistent", remainder_b=1)

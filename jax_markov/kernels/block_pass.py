@@ -205,10 +205,13 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # of a mostly empty tile re-reads it (docs/perf-notes.md change 48).
   tiles = [i * block_b + jnp.arange(block_b)]
   last = None
+  after = remainder_rows and config.remainder_pass == "after"
   if remainder_rows:
     last = i == pl.num_programs(0) - 1
-    tiles.append((batch - remainder_rows)
-                 + jnp.arange(remainder_tile(remainder_rows, bias_dot)))
+    rest_idx = ((batch - remainder_rows)
+                + jnp.arange(remainder_tile(remainder_rows, bias_dot)))
+    if not after:
+      tiles.append(rest_idx)
 
   def row_masks(b_idx, g):
     b_mask = b_idx < batch
@@ -244,6 +247,12 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     return x.astype(jnp.float32)
 
   xs = [load_base(draw, b_mask) for draw, b_mask in zip(draws, masks)]
+
+  def add_bias(x, b_idx, b_mask):  # method "xla_bias"
+    rows = jnp.where(b_mask, b_idx, 0)
+    return x + plgpu.load(ins["bias"].at[rows[:, None], d_cols[None, :]],
+                          mask=b_mask[:, None] & d_mask[None, :], other=0)
+
   warm = []  # prefetched proj chunks (config.prefetch_proj)
   if fused:
     proj_ref = ins["proj"]
@@ -279,6 +288,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # What follows reads or writes what earlier kernels of the draft write or
   # read, so its indices carry the wait's zero; base, written before the
   # draft, is loaded above it (see dependent_launch).
+  zero = 0
   if dependent_launch:
     zero = wait_for_prior_kernels(dependent_launch)
     if warm:
@@ -304,54 +314,55 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       # An anchor outside the table is clamped, as XLA's gather clamps.
       return jnp.clip(prev, 0, embed_ref.shape[0] - 1)[:, None]
 
-    prev_rows = [previous_rows(*t) for t in zip(tiles, draws, masks)]
     v_rows = d_cols[:, None]
 
-    def rank_chunk(k0, accs, proj_policy, proj=None):
+    def rank_chunk(k0, accs, proj_policy, rows, proj=None):
       k_cols = (k0 + jnp.arange(block_k))[None, :]
       if proj is None:
         proj = load_proj(k_cols, proj_policy, v_rows)
       out = []
-      for acc, b_rows, b_mask in zip(accs, prev_rows, masks):
+      for acc, (b_rows, b_mask) in zip(accs, rows):
         emb = plgpu.load(embed_ref.at[b_rows, k_cols],
                          mask=b_mask[:, None] & (k_cols < rank), other=0)
         out.append(bias_chunk(acc, emb, proj, bias_dot=bias_dot,
                               precision=precision))
       return tuple(out)
 
-    def bias_loop(accs, proj_policy):
+    def bias_loop(accs, proj_policy, rows, early):
       for c, proj in enumerate(early):
-        accs = rank_chunk(c * block_k, accs, proj_policy, proj)
+        accs = rank_chunk(c * block_k, accs, proj_policy, rows, proj)
       first = len(early)
       if config.k_loop == "fori" and first < num_chunks:
         # A loop Triton sees: num_stages > 1 prefetches the next proj chunk
         # while the tensor cores work on this one.
         return jax.lax.fori_loop(
             first, num_chunks,
-            lambda c, accs: rank_chunk(c * block_k, accs, proj_policy), accs)
+            lambda c, accs: rank_chunk(c * block_k, accs, proj_policy, rows),
+            accs)
       for c in range(first, num_chunks):  # "static": no software pipelining
-        accs = rank_chunk(c * block_k, accs, proj_policy)
+        accs = rank_chunk(c * block_k, accs, proj_policy, rows)
       return accs
 
-    # The base tile is the accumulator's initial value: no second [block_b,
-    # block_v] float32 tile stays live across the rank loop (168 -> 128
-    # registers at 64 x 128; docs/perf-notes.md).
-    if keep_blocks:
-      # The policy is static per load, so the loop is traced once per policy
-      # and the program takes one branch. At the last step the kept blocks
-      # are read evict_first too: the draft leaves nothing pinned behind it.
-      keep = (j < keep_blocks) & (step_ref[0] < steps - 1)
-      xs = jax.lax.cond(keep, lambda accs: bias_loop(accs, "evict_last"),
-                        lambda accs: bias_loop(accs, "evict_first"),
-                        tuple(xs))
-    else:
-      xs = bias_loop(tuple(xs), None)
-  else:
-    def add_bias(x, b_idx, b_mask):
-      rows = jnp.where(b_mask, b_idx, 0)
-      return x + plgpu.load(ins["bias"].at[rows[:, None], d_cols[None, :]],
-                            mask=b_mask[:, None] & d_mask[None, :], other=0)
+    def add_products(xs, rows, early):
+      """xs + emb @ proj.T for each tile of rows [(prev rows, mask)]."""
+      # The base tile is the accumulator's initial value: no second
+      # [block_b, block_v] float32 tile stays live across the rank loop
+      # (168 -> 128 registers at 64 x 128; docs/perf-notes.md).
+      if keep_blocks:
+        # The policy is static per load, so the loop is traced once per
+        # policy and the program takes one branch. At the last step the kept
+        # blocks are read evict_first too: the draft leaves nothing pinned
+        # behind it.
+        keep = (j < keep_blocks) & (step_ref[0] < steps - 1)
+        return jax.lax.cond(
+            keep, lambda accs: bias_loop(accs, "evict_last", rows, early),
+            lambda accs: bias_loop(accs, "evict_first", rows, early),
+            tuple(xs))
+      return bias_loop(tuple(xs), None, rows, early)
 
+    rows = [(previous_rows(*t), t[2]) for t in zip(tiles, draws, masks)]
+    xs = add_products(xs, rows, early)
+  else:
     xs = [add_bias(*t) for t in zip(xs, tiles, masks)]
   if slots_ref is not None:
     xs = [jnp.where(d_mask[None, :], x, -jnp.inf) for x in xs]
@@ -401,10 +412,30 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
 
   epilogue(xs[0], tiles[0], draws[0], masks[0])
-  if remainder_rows:
+  if remainder_rows and not after:
     # Only the last tile's programs store remainder rows: the others skip
     # their arithmetic (their loads above were masked off).
     pl.when(last)(lambda: epilogue(xs[1], tiles[1], draws[1], masks[1]))
+
+  if after:
+    @pl.when(last)
+    def _remainder_after():
+      # remainder_pass="after": the remainder rows' own rank loop once the
+      # tile's epilogue is done, in the last tile's programs only, so that
+      # the tile's registers are free again (the program's occupancy is that
+      # of the tile alone) and the proj tile it reads again is still in L2.
+      b_idx = rest_idx + zero
+      b_mask = b_idx < batch
+      draw = b_idx * steps + step_ref[0]
+      x = load_base(draw, b_mask)
+      if fused:
+        (x,) = add_products([x], [(previous_rows(b_idx, draw, b_mask), b_mask)],
+                            [])
+      else:
+        x = add_bias(x, b_idx, b_mask)
+      if slots_ref is not None:
+        x = jnp.where(d_mask[None, :], x, -jnp.inf)
+      epilogue(x, b_idx, draw, b_mask)
 
   if config.select == "tail":
     _tail_select(ins, outs, i, config=config, steps=steps, vocab=vocab,

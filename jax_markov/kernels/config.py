@@ -14,6 +14,7 @@ METHODS = ("fused", "xla_bias", "mosaic")
 K_LOOPS = ("fori", "static")
 BIAS_DOTS = ("mma", "fma")
 SELECTS = ("pass", "tail", "persistent")
+REMAINDER_PASSES = ("joint", "after")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -101,6 +102,12 @@ class KernelConfig:
       add a program a vocabulary block (B = 72 on 64-request tiles;
       docs/perf-notes.md change 48). Below block_b; 0, or another B: the
       last tile is partial, as without it.
+    remainder_pass: with remainder rows: "joint" runs them in the tile's
+      rank loop (one proj load for both, and every program of the grid
+      holds both accumulators), "after" in a second rank loop once the
+      tile's epilogue is done (the proj tile read again, likely from L2;
+      only the last tile's programs run it, and no program holds more
+      registers than the tile's).
   """
   method: str = "fused"
   block_b: int = 16
@@ -123,10 +130,12 @@ class KernelConfig:
   prefetch_programs: int = 0
   early_dependents: bool = False
   remainder_b: int = 0
+  remainder_pass: str = "joint"
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
-                          ("bias_dot", BIAS_DOTS), ("select", SELECTS)):
+                          ("bias_dot", BIAS_DOTS), ("select", SELECTS),
+                          ("remainder_pass", REMAINDER_PASSES)):
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
