@@ -382,6 +382,10 @@ def _target_map(draft_to_target, target_vocab, vocab, head, config,
               target_vocab=int(target_vocab))
 
 
+# The smallest batch bucket a JAX call runs the Mosaic GPU pass at (_config).
+JAX_MOSAIC_FROM = 256
+
+
 def _mosaic_available() -> bool:
   """Whether the tuning table may pick the Mosaic GPU block pass: a Hopper
   GPU, unless $JAX_MARKOV_MOSAIC is "0"."""
@@ -419,7 +423,13 @@ def _config(config, method, batch, vocab, rank, interpret, stepwise=False,
       raise ValueError(f"method={method!r} disagrees with config.method="
                        f"{config.method!r}")
     return config
-  hopper = hopper and not interpret and _mosaic_available()
+  # The Mosaic GPU pass from the 256 bucket up only: below it its custom
+  # call's host cost (TMA descriptors encoded per call) outweighs its gain
+  # in a JAX call (B = 128 on an H200: 0.593 against the Triton pass's
+  # 0.517 ms; docs/perf-notes.md change 37 (d)), though not in the native
+  # runtime's captured draft, which takes the H200's B = 128 entry.
+  hopper = (hopper and not interpret and _mosaic_available()
+            and tuning._batch_bucket(batch) >= JAX_MOSAIC_FROM)  # noqa: SLF001
   config = tuning.choose(method, batch, vocab, rank, interpret=interpret,
                          hopper=hopper, gpu=_gpu_name() if hopper else None)
   return tuning.stepwise(config) if stepwise else config

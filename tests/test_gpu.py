@@ -141,15 +141,19 @@ def test_early_proj_changes_nothing_at_deepseek_v4_shape(tile, early_proj):
   assert_sample_drafts_agree(drafts[1], drafts[0], *args)
 
 
+@pytest.mark.parametrize("remainder_pass", ["joint", "after"])
 @pytest.mark.parametrize("B", [72, 80])
-def test_remainder_rows_change_nothing_at_deepseek_v4_shape(B):
+def test_remainder_rows_change_nothing_at_deepseek_v4_shape(B,
+                                                            remainder_pass):
   """The table's 64-request tile with the rows past it in its programs (8
   or 16 live rows of a 16-row tile) gives the draft of the plain grid, whose
   second tile is partial (within float32 rounding: two compiled programs);
   greedy drafts are equal."""
   from jax_markov.kernels import tuning
   from jax_markov.kernels.block_pass import request_tiles
-  config = tuning.choose("fused", B, DSV4["V"], DSV4["R"], interpret=False)
+  config = dataclasses.replace(
+      tuning.choose("fused", B, DSV4["V"], DSV4["R"], interpret=False),
+      remainder_pass=remainder_pass)
   assert request_tiles(B, config) == (1, B - 64)
   args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
                       seed=37, head_scale=0.1,

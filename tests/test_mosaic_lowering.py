@@ -378,6 +378,16 @@ def test_per_gpu_entries():
                        gpu="NVIDIA H100 80GB HBM3").method == "fused"
   assert tuning.choose(None, 64, V, R, gpu="NVIDIA H100 80GB HBM3",
                        **kw) == tuning.TABLE[("fused", V, R, 64)]
+  # B = 128: the Mosaic pass on the H200 only (change 49); B = 72 in that
+  # bucket does not fill its 128-request tile and takes the Triton entry
+  # with its remainder rows.
+  h200 = tuning.choose(None, 128, V, R, gpu="NVIDIA H200", **kw)
+  assert h200 == tuning.GPU_TABLE[("h200", "mosaic", V, R, 128)]
+  assert (h200.method, h200.block_b, h200.num_stages) == ("mosaic", 128, 4)
+  for gpu in ("NVIDIA H100 80GB HBM3", None):
+    assert tuning.choose(None, 128, V, R, gpu=gpu, **kw).method == "fused"
+  b72 = tuning.choose(None, 72, V, R, gpu="NVIDIA H200", **kw)
+  assert (b72.method, b72.block_b, b72.remainder_b) == ("fused", 64, 16)
 
 
 def test_sampler_lowers_mosaic_into_state_rows():
