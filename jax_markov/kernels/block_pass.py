@@ -21,6 +21,13 @@ columns and
 
 NaN logits enter the statistics as -inf (never drawn) but are stored as they are.
 
+Remainder rows (``config.remainder_b``, :func:`request_tiles`): where B is a
+few rows past a whole number of request tiles, the grid has only the whole
+tiles and the last tile's programs also take the rows past them, in the same
+rank loop (``remainder_pass="joint"``) or in a second one after the tile's
+epilogue (``"after"``), so that no program reads the whole proj tile for a
+few live rows.
+
 Reduced draft vocabulary: base, proj (and the xla_bias bias) have Vd
 columns / rows, the draft vocabulary, and the draw is over the V target ids.
 
