@@ -152,14 +152,17 @@ def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
 
 def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """Mosaic GPU block-pass tiles that run at this shape: 128- or 64-request
-  tiles dividing B, 64- or 128-column statistics blocks, the proj chunks in
+  tiles (a partial last tile where they do not divide B: partial_tiles), 64- or 128-column statistics blocks, the proj chunks in
   flight as many as fit (num_stages 0) or 4, and with 128-request tiles the
   chunk statistics folded into the pass's epilogue or left to the chunk
   pass (fold_chunks); what does not fit in shared memory
   (mosaic_block_pass.plan) is left out."""
   from jax_markov.kernels import mosaic_block_pass as mbp
   for bb in (128, 64):
-    if batch % bb:
+    # A batch that does not fill the tiles: the last one partial
+    # (partial_tiles; B a multiple of 4 past one consumer's 64 rows).
+    partial = batch % bb != 0
+    if partial and not (batch > 64 and batch % 4 == 0):
       continue
     for bv in (64, 128):
       for stages in (0, 4):
@@ -173,7 +176,8 @@ def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
           continue
         for fold in ((True, False) if bb == 128 else (True,)):
           yield KernelConfig(method="mosaic", block_b=bb, block_v=bv,
-                             num_stages=stages, fold_chunks=fold)
+                             num_stages=stages, fold_chunks=fold,
+                             partial_tiles=partial)
 
 
 def select_candidates(batch: int, vocab: int = 129280, rank: int = 256):

@@ -407,11 +407,16 @@ def test_tune_graph_candidates_and_cpu_refusal():
   cfgs = list(tune_graph.remainder_candidates(24))
   assert [(c.block_b, c.remainder_b) for c in cfgs] == [(32, 0), (16, 15)]
   # Mosaic GPU tiles: only those that divide B and fit in shared memory.
-  for batch, sizes in ((64, {64}), (128, {64, 128}), (256, {64, 128})):
+  # A batch past one consumer's 64 rows that the tiles do not divide: the
+  # last tile partial (partial_tiles).
+  for batch, sizes in ((64, {64}), (128, {64, 128}), (256, {64, 128}),
+                       (72, {64, 128}), (200, {64, 128})):
     cfgs = list(tune_graph.mosaic_candidates(batch))
     assert len(cfgs) == len(set(cfgs)) >= 2
     assert {c.block_b for c in cfgs} == sizes
-    assert all(c.method == "mosaic" and batch % c.block_b == 0 for c in cfgs)
+    assert all(c.method == "mosaic" for c in cfgs)
+    assert all(c.partial_tiles == (batch % c.block_b != 0) for c in cfgs)
+  assert not list(tune_graph.mosaic_candidates(66))  # not a multiple of 4
   assert not list(tune_graph.mosaic_candidates(32))
   for batch in (4, 64):  # the table's tile, other select warps only
     cfgs = list(tune_graph.select_candidates(batch))

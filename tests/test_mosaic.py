@@ -377,3 +377,61 @@ def test_folded_and_unfolded_drafts_agree_at_b256():
       method="mosaic", block_b=128, block_v=64, fold_chunks=False))
   check_sample_draft(folded, *args)
   assert_sample_drafts_agree(folded, plain, *args)
+
+
+@pytest.mark.parametrize("B,block_b,fold", [(72, 128, True), (72, 64, True),
+                                            (136, 128, True),
+                                            (136, 128, False),
+                                            (200, 64, True)])
+def test_partial_last_request_tile(B, block_b, fold):
+  """A batch the request tiles do not divide (partial_tiles): the last
+  tile's consumers take 64-row windows ending at row B. The dense draft
+  against the reference and the fused Triton pass; into state rows, padding
+  and every row no draw names untouched."""
+  S, V, R, N = 4, 8192, 128, B + 40
+  args = make_problem(B, S, V, R, seed=60 + B, head_scale=0.2,
+                      temperature=np.where(np.arange(B) % 4 == 0, 0.0, 1.0))
+  config = jm.KernelConfig(method="mosaic", block_b=block_b, block_v=64,
+                           fold_chunks=fold, partial_tiles=True)
+  draft = jm.sample_draft(*args, config=config)
+  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, jm.sample_draft(*args, config=FUSED),
+                             *args)
+  base, anchor, head, _, _, pos = args
+  rng = np.random.default_rng(B)
+  idx_map = np.repeat(rng.permutation(N)[:B, None], S, axis=1).astype(np.int32)
+  idx_map[B - 1] = -1  # the last request of the partial tile: padding
+  idx_map[B - 3, 1] = -1
+  temperature = jnp.asarray(rng.choice([0.0, 1.0], N), jnp.float32)
+  seeds = rng.integers(0, 2**62, N, dtype=np.int64)
+  cache0 = jnp.asarray(rng.standard_normal((N, S, V)), jnp.float32)
+  before = np.asarray(cache0)
+  tokens, cache = jm.sample_draft_into(jnp.array(cache0), base, anchor, head,
+                                       temperature, seeds,
+                                       jnp.asarray(idx_map), pos,
+                                       config=config)
+  valid = idx_map >= 0
+  out = np.asarray(cache)
+  untouched = np.ones((N, S), bool)
+  untouched[idx_map[valid], np.nonzero(valid)[1]] = False
+  np.testing.assert_array_equal(out[untouched], before[untouched])
+  rows = np.where(valid, idx_map, 0)
+  u = np.asarray(jm.draft_uniforms(seeds[rows].reshape(-1),
+                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
+  check_draft(tokens, out[rows, np.arange(S)[None, :]], base, anchor, head,
+              np.asarray(temperature)[rows], u, rows=valid)
+
+
+def test_partial_last_request_tile_at_deepseek_v4_shape():
+  """B = 72 on one 128-request tile (its second consumer's window is rows
+  8-71, of which it stores 64-71): the contract at the DeepSeek-V4 shape."""
+  B = 72
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=71, head_scale=0.1,
+                      temperature=np.where(np.arange(B) % 4 == 0, 0.0, 1.0))
+  draft = jm.sample_draft(*args, config=jm.KernelConfig(
+      method="mosaic", block_b=128, block_v=64, num_stages=4,
+      partial_tiles=True))
+  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, jm.sample_draft(*args, config=FUSED),
+                             *args)

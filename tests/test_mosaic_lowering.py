@@ -8,6 +8,7 @@ module to a cubin, and running it, still needs a Hopper GPU:
 mosaic_check.py.)
 """
 
+import dataclasses
 import itertools
 
 import chex
@@ -138,7 +139,10 @@ def test_plan_fits_shared_memory():
 
 
 @pytest.mark.parametrize("B,V,R,S,kw,dtypes,match", [
-    (96, 1024, 128, 3, {}, {}, "multiple of block_b"),
+    (60, 1024, 128, 3, {}, {}, "multiple of block_b"),  # B < 64
+    (98, 1024, 128, 3, {}, {}, "multiple of 4"),  # [NB, B] TMA rows
+    (96, 1024, 128, 3, {}, {}, None),  # a partial last tile: fine
+    (96, 1024, 128, 3, dict(_multicast=True), {}, "partial"),
     (256, 1024, 128, 3, dict(block_b=128), {}, None),  # fine: control
     (128, 1000, 128, 3, {}, {}, "multiple of block_v"),
     (64, 1152, 128, 3, dict(block_v=64), {}, None),  # fine: control
@@ -353,6 +357,70 @@ def test_choose_picks_mosaic_only_where_asked_and_it_runs():
   assert (asked.method, asked.block_b) == ("mosaic", 64)
   with pytest.raises(ValueError, match="no interpreter"):
     choose("mosaic", 256, V, R, interpret=True)
+
+
+@pytest.mark.parametrize("B,block_b,kw", [
+    (72, 128, {}), (72, 64, {}), (136, 128, dict(chunk=8)), (200, 64, {}),
+    (200, 128, dict(chunk=4))])
+@pytest.mark.parametrize("rows", [False, True])
+def test_partial_last_tile_lowers(B, block_b, kw, rows):
+  """B not a multiple of block_b: the last tile's consumers take 64-row
+  windows ending at row B (plan: partial, one TMA box a consumer), and store
+  their cache rows by warp, also in the dense layout (the [B * S, V] cache,
+  not the [B, S, V] view). The full-tile modules are unchanged by this path
+  (compared without debug locations when it was added; perf-notes change
+  50)."""
+  V, R, S, N = 1024, 128, 3, 700
+  p = mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=block_b,
+               block_v=64, max_concurrent_steps=None, num_sms=132,
+               row_stores="warp", chunk=kw.get("chunk"))
+  assert p.partial and p.num_b_tiles == -(-B // block_b)
+  assert p.halves == block_b // 64
+  specs = _specs(B, V, R, S)
+  if rows:
+    specs = specs[:5] + [spec((N, V), jnp.float32), spec((B * S,), jnp.int32)]
+    kw = dict(kw, num_cache_rows=N)
+  text = mbp.mosaic_block_pass.trace(
+      *specs, num_steps=S, num_sms=132, block_b=block_b, block_v=64,
+      **kw).lower(lowering_platforms=("cuda",)).as_text()
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  assert f"tensor<{N if rows else B * S}x{V}xf32>" in text
+  if not rows:  # no [B, S, V] view of the cache
+    assert f"tensor<{B}x{S}x{V}xf32>" not in text
+  with pytest.raises(ValueError, match="partial"):
+    mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=block_b,
+             block_v=64, max_concurrent_steps=None, num_sms=132,
+             row_stores="tma")
+
+
+def test_partial_tiles_entries():
+  """A Mosaic entry with partial_tiles is chosen for a batch its tiles do
+  not divide (B > 64 and a multiple of 4); without it, or for other
+  batches, the Triton entry runs; partial_tiles is for Mosaic only."""
+  V, R = DSV4["V"], DSV4["R"]
+  kw = dict(interpret=False, hopper=True)
+  key = ("mosaic", V, R, 128)
+  cfg = jm.KernelConfig(method="mosaic", block_b=128, block_v=64,
+                        num_stages=4, partial_tiles=True)
+  old = tuning.TABLE.get(key)
+  tuning.TABLE[key] = cfg
+  tuning.choose.cache_clear()
+  try:
+    assert tuning.choose(None, 72, V, R, **kw) == cfg
+    assert tuning.choose(None, 128, V, R, **kw) == cfg
+    assert tuning.choose(None, 74, V, R, **kw).method == "fused"  # % 4
+    assert tuning.choose(None, 72, V, R, interpret=False).method == "fused"
+    tuning.TABLE[key] = dataclasses.replace(cfg, partial_tiles=False)
+    tuning.choose.cache_clear()
+    assert tuning.choose(None, 72, V, R, **kw).method == "fused"
+  finally:
+    if old is None:
+      tuning.TABLE.pop(key, None)
+    else:
+      tuning.TABLE[key] = old
+    tuning.choose.cache_clear()
+  with pytest.raises(ValueError, match="partial_tiles"):
+    jm.KernelConfig(method="fused", partial_tiles=True)
 
 
 def test_per_gpu_entries():

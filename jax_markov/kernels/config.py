@@ -108,6 +108,13 @@ class KernelConfig:
       tile's epilogue is done (the proj tile read again, likely from L2;
       only the last tile's programs run it, and no program holds more
       registers than the tile's).
+    partial_tiles: method="mosaic": the table may pick this entry for a
+      batch that does not fill its request tiles (B >= 64, a multiple of
+      4): the last tile's consumers then take 64-row windows that end at
+      row B, rows they share with another consumer are computed twice and
+      stored once (kernels/mosaic_block_pass.py; docs/perf-notes.md change
+      50). False: the table picks the entry only where block_b divides B.
+      A config passed to the sampler runs partial tiles either way.
   """
   method: str = "fused"
   block_b: int = 16
@@ -131,6 +138,7 @@ class KernelConfig:
   early_dependents: bool = False
   remainder_b: int = 0
   remainder_pass: str = "joint"
+  partial_tiles: bool = False
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -211,6 +219,10 @@ class KernelConfig:
         raise ValueError(
             "remainder_b needs the fused method with the select pass, got "
             f"method={self.method!r}, select={self.select!r}")
+
+    if self.partial_tiles and self.method != "mosaic":
+      raise ValueError("partial_tiles is for method='mosaic', got "
+                       f"method={self.method!r}")
 
     if self.early_dependents and self.select != "pass":
       raise ValueError("early_dependents is for the select pass "

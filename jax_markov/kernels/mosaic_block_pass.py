@@ -23,6 +23,11 @@ change 34).
 
 Kernel layout (all static, chosen by :func:`plan`):
 
+* a batch that block_b does not divide (B >= 64, a multiple of 4): the
+  last request tile is partial; each of its consumers computes the 64-row
+  window that ends at row B (every load and store inside its array) and
+  stores only the rows no consumer before it owns (docs/perf-notes.md
+  change 50).
 * grid (vocabulary workers, request tiles); Mosaic GPU maps the last grid
   axis to blockIdx.x, so the request tile is the fastest index: the CTAs
   that read the same proj tile run side by side and the second read hits
@@ -143,6 +148,18 @@ class Plan:
     return self.vocab // self.block_v
 
   @property
+  def partial(self) -> bool:
+    """The last request tile holds fewer than block_b requests."""
+    return self.batch % self.block_b != 0
+
+  @property
+  def halves(self) -> int:
+    """TMA boxes a request tile's rows load in: with a partial last tile
+    one box of 64 rows a consumer (a 128-row box would not fit a B < 128,
+    and each consumer waits for its own rows), else one box a tile."""
+    return self.block_b // WG_ROWS if self.partial else 1
+
+  @property
   def smem_bytes(self) -> int:
     return smem_bytes(self.block_b, self.cta_v, self.rank, self.block_v,
                       self.stages, self.out_slots, self.row_stores,
@@ -203,7 +220,7 @@ def default_chunk(batch: int, vocab: int, *, block_b: int | None = None,
   """
   if block_b is None:
     block_b = 128 if batch % 128 == 0 else 64
-  workers = max(1, (num_sms or _num_sms()) // max(1, batch // block_b))
+  workers = max(1, (num_sms or _num_sms()) // -(-batch // block_b))
   return -(-(vocab // block_v) // workers)
 
 
@@ -258,8 +275,16 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
     block_b = 128 if batch % 128 == 0 else 64
   if block_b not in (64, 128):
     raise ValueError(f"block_b must be 64 or 128, got {block_b}")
-  if batch % block_b:
-    raise ValueError(f"B = {batch} must be a multiple of block_b = {block_b}")
+  if batch % block_b and not (batch >= WG_ROWS and batch % 4 == 0):
+    # A partial last tile loads 64-row TMA boxes (B >= 64) and stores its
+    # statistics' [NB, B] rows by TMA (a row of B float32 a multiple of 16
+    # bytes).
+    raise ValueError(
+        f"B = {batch} must be a multiple of block_b = {block_b}, or at least "
+        f"{WG_ROWS} and a multiple of 4 (a partial last request tile)")
+  if batch % block_b and (multicast or row_stores == "tma"):
+    raise ValueError("a partial last request tile takes neither multicast "
+                     "nor row_stores='tma'")
   split_v = block_b == WG_ROWS
   cta_v = block_v * (NUM_COMPUTE_WGS if split_v else 1)
   if vocab % block_v:
@@ -293,7 +318,7 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
         f"max_concurrent_steps = {candidates[-1][0]} need {need} bytes of "
         f"shared memory, more than {SMEM_LIMIT}")
   stages, out_slots = fitting[0]
-  num_b_tiles = batch // block_b
+  num_b_tiles = -(-batch // block_b)
   num_v_tiles = vocab // cta_v
   sms = num_sms or _num_sms()
   grid_v = max(1, min(num_v_tiles, sms // num_b_tiles))
@@ -412,6 +437,15 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
   [N, V] cache, stored one row at a time (a row < 0 is padding: not stored).
   b{max,sum,arg}_gmem are [NB, B]; c{max,sum,arg}_gmem (p.chunk > 0 only)
   are [NC, B], row c the chunk of worker c.
+
+  A partial last request tile (p.partial; B >= 64): each consumer's 64-row
+  window starts at min(its first row, B - 64), so every load and store is
+  inside its array, and rows the window shares with another consumer are
+  computed twice from the same operands (the same bits). Their statistics
+  are stored twice, the same values; their cache rows only by the
+  consumer that owns them (rows before its first row are masked), always
+  by warp row stores: cache_gmem is then the [N, V] cache also in the
+  dense layout (rows_gmem None: draw (b, s) is row b * S + s).
   """
   block_b, block_v, cta_v = p.block_b, p.block_v, p.cta_v
   num_k, stages, out_slots = p.num_k, p.stages, p.out_slots
@@ -422,6 +456,13 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
   worker = lax.axis_index("v")
   wg = lax.axis_index("wg")
   b0 = b_tile * block_b
+  halves = p.halves
+
+  def window(first):
+    """The first row of a 64-row window from row ``first`` (in bounds)."""
+    if not p.partial:
+      return first
+    return jnp.minimum(first, jnp.int32(p.batch - WG_ROWS))
   if p.chunk:
     # Tiles worker * chunk ... worker * chunk + chunk - 1 (the last worker
     # fewer): a chunk of contiguous blocks, reduced in the epilogue.
@@ -440,7 +481,7 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
     def tile_v0(t):
       return (worker + t * grid_v) * cta_v
 
-  warp_rows = rows_gmem is not None and p.row_stores == "warp"
+  warp_rows = (rows_gmem is not None and p.row_stores == "warp") or p.partial
 
   def body(emb_smem, proj_smem, base_smem, out_smem, rows_smem, max_smem,
            sum_smem, arg_smem, emb_bar, proj_bar, base_bar, proj_free, base_free,
@@ -454,9 +495,18 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       plgpu.set_max_registers(40, action="decrease")
       step = step_gmem[0]
       for k in range(num_k):  # once per CTA; separate barriers, one per TMA
-        plgpu.copy_gmem_to_smem(
-            emb_gmem.at[pl.ds(b0, block_b), pl.ds(k * TILE_K, TILE_K)],
-            emb_smem.at[k], emb_bar.at[k])
+        if halves == 1:
+          plgpu.copy_gmem_to_smem(
+              emb_gmem.at[pl.ds(window(b0), block_b),
+                          pl.ds(k * TILE_K, TILE_K)],
+              emb_smem.at[k], emb_bar.at[k])
+          continue
+        for h in range(halves):  # each consumer's window of a partial tile
+          plgpu.copy_gmem_to_smem(
+              emb_gmem.at[pl.ds(window(b0 + h * WG_ROWS), WG_ROWS),
+                          pl.ds(k * TILE_K, TILE_K)],
+              emb_smem.at[k, pl.ds(h * WG_ROWS, WG_ROWS)],
+              emb_bar.at[k * halves + h])
 
       @pl.loop(0, num_t)
       def _load(t):
@@ -467,9 +517,16 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
         def _():
           plgpu.barrier_wait(base_free.at[slot])
 
-        plgpu.copy_gmem_to_smem(
-            base_gmem.at[pl.ds(b0, block_b), step, pl.ds(v0, cta_v)],
-            base_smem.at[slot], base_bar.at[slot])
+        if halves == 1:
+          plgpu.copy_gmem_to_smem(
+              base_gmem.at[pl.ds(window(b0), block_b), step, pl.ds(v0, cta_v)],
+              base_smem.at[slot], base_bar.at[slot])
+        for h in range(halves if halves > 1 else 0):
+          plgpu.copy_gmem_to_smem(
+              base_gmem.at[pl.ds(window(b0 + h * WG_ROWS), WG_ROWS), step,
+                           pl.ds(v0, cta_v)],
+              base_smem.at[slot, pl.ds(h * WG_ROWS, WG_ROWS)],
+              base_bar.at[slot * halves + h])
         for k in range(num_k):
           g = t * num_k + k  # proj chunks are numbered across tiles
           ps = lax.rem(g, stages)
@@ -491,15 +548,30 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       step = step_gmem[0]
       row_off = 0 if p.split_v else wg * WG_ROWS
       col_off = wg * block_v if p.split_v else 0
-      r0 = b0 + row_off
+      r0 = window(b0 + row_off)
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       scale = plgpu.load(params_gmem.at[0, pl.ds(r0, WG_ROWS), step], (),
                          layout=row_layout, optimized=False)
+      # The emb and base half this consumer waits for (one box a tile
+      # unless the last tile is partial).
+      half = wg if halves > 1 else 0
       if warp_rows:
         # The same rows for every tile: read once (the first tile's barrier
         # orders this store before the reads).
-        rows_smem[wg] = plgpu.load(rows_gmem.at[pl.ds(r0, WG_ROWS), step],
-                                   (), layout=row_layout, optimized=False)
+        if rows_gmem is None:  # a partial tile, dense: row b * S + s
+          rows = (plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0,
+                                         layout=row_layout) + r0) * p.steps
+          rows = rows + step
+        else:
+          rows = plgpu.load(rows_gmem.at[pl.ds(r0, WG_ROWS), step], (),
+                            layout=row_layout, optimized=False)
+        if p.partial:
+          # Rows before this consumer's own first row belong to another
+          # consumer (which stores them): not stored here.
+          own = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS,), 0,
+                                       layout=row_layout) + r0
+          rows = jnp.where(own >= b0 + row_off, rows, -1)
+        rows_smem[wg] = rows
         epi_rows, epi_cols = (
             plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, EPI_V), d,
                                    layout=plgpu.Layout.WGMMA) for d in (0, 1))
@@ -510,7 +582,8 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       cols = plgpu.broadcasted_iota(jnp.int32, (WG_ROWS, block_v), 1,
                                     layout=plgpu.Layout.WGMMA)
       for k in range(num_k):
-        plgpu.barrier_wait(emb_bar.at[k])
+        plgpu.barrier_wait(emb_bar.at[k] if halves == 1
+                           else emb_bar.at[k * halves + half])
 
       def tile(t):
         """Tile t: MMA, cache stores, block statistics; returns this
@@ -542,7 +615,8 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
 
         acc = pl.run_scoped(mma, plgpu.ACC((WG_ROWS, block_v), f32))
 
-        plgpu.barrier_wait(base_bar.at[slot])
+        plgpu.barrier_wait(base_bar.at[slot] if halves == 1
+                           else base_bar.at[slot * halves + half])
         base = base_smem.at[slot, pl.ds(row_off, WG_ROWS),
                             pl.ds(col_off, block_v)][...]
         x = acc + base.astype(f32)
@@ -682,9 +756,9 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.int32),
-      plgpu.Barrier(num_barriers=num_k),
+      plgpu.Barrier(num_barriers=num_k * p.halves),
       plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=p.base_slots),
+      plgpu.Barrier(num_barriers=p.base_slots * p.halves),
       # Released by both consumers (of every CTA of a cluster: a multicast
       # refills the slot in all of them).
       (plgpu.ClusterBarrier(collective_axes=("b",),
@@ -763,7 +837,11 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     num_cache_rows: the cache's rows (static); None: B * S.
     block_b: requests per CTA (static): 128 (two consumer warpgroups of 64
       requests each) or 64 (the two split each vocabulary tile's columns);
-      None: 128 where B % 128 == 0, else 64.
+      None: 128 where B % 128 == 0, else 64. Where it does not divide B
+      (B >= 64 and a multiple of 4), the last tile is partial: each of its
+      consumers takes the 64-row window that ends at row B (rows shared
+      with another consumer are computed twice, their cache rows stored
+      once), and cache rows are stored by warp in either layout.
     block_v: vocabulary columns per statistics block (static), 64 or 128.
     max_concurrent_steps: proj chunks ([cta_v, 64] bf16) in flight (static,
       >= 2); None: the most that fit in shared memory, up to two tiles.
@@ -802,7 +880,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
   and out.
 
   Raises:
-    ValueError: shapes or dtypes other than the above, B % block_b != 0,
+    ValueError: shapes or dtypes other than the above, B % block_b != 0
+      with B < 64 or B % 4 != 0 (or with multicast or row_stores="tma"),
       V % block_v != 0 (V % (2 * block_v) with block_b = 64), R % 64 != 0,
       or tiles that do not fit in shared memory.
     ImportError: Pallas Mosaic GPU is not available.
@@ -835,16 +914,19 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     operands.append(cache_rows.reshape(B, S))
     names.append("rows")
   cache_ref = None
+  # The dense layout's [B, S, V] view takes a TMA box a tile; a partial last
+  # request tile stores rows by warp, into the [B * S, V] cache.
+  view_3d = cache_rows is None and not p.partial
   if cache is not None:
-    dense = cache_rows is None
-    cache_ref = jax.new_ref(cache.reshape(B, S, V) if dense else cache)
+    cache_ref = jax.new_ref(cache.reshape(B, S, V) if view_3d else cache)
     operands.append(cache_ref)
     names.append("cache")
   names += names_out
   if cache is None:
     # A new cache is a kernel output: only this step's rows are written (the
     # sampler's steps after it write the others), so there is no memset.
-    out_type += (jax.ShapeDtypeStruct((B, S, V), jnp.float32),)
+    out_type += (jax.ShapeDtypeStruct((B, S, V) if view_3d else (B * S, V),
+                                      jnp.float32),)
     names.append("cache")
 
   def body(*refs):

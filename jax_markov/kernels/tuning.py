@@ -243,7 +243,8 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
       # pass's 1.26x on an H100 (docs/perf-notes.md change 47).
       entry = _mosaic_rule(batch, gpu)
     if (hopper and not interpret and entry is not None
-        and batch % entry.block_b == 0):
+        and (batch % entry.block_b == 0
+             or (entry.partial_tiles and batch >= 64 and batch % 4 == 0))):
       return entry
   if method not in METHODS:
     raise ValueError(f"method must be one of {METHODS} or None, got {method!r}")
