@@ -159,6 +159,24 @@ def test_refuses_what_it_does_not_run():
                     config=_mosaic(64, 64))
 
 
+def _check_into(tokens, cache, before, idx_map, base, anchor, head,
+                temperature, seeds, pos):
+  """sample_draft_into's result: rows no draw names as before, the draws
+  the contract's (check_draft). Returns the untouched [N, S] mask."""
+  N, S = before.shape[:2]
+  valid = idx_map >= 0
+  out = np.asarray(cache)
+  untouched = np.ones((N, S), bool)
+  untouched[idx_map[valid], np.nonzero(valid)[1]] = False
+  np.testing.assert_array_equal(out[untouched], before[untouched])
+  rows = np.where(valid, idx_map, 0)
+  u = np.asarray(jm.draft_uniforms(seeds[rows].reshape(-1),
+                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
+  check_draft(tokens, out[rows, np.arange(S)[None, :]], base, anchor, head,
+              np.asarray(temperature)[rows], u, rows=valid)
+  return untouched
+
+
 @pytest.mark.parametrize("B,N,block_b,rows", [
     (256, 300, 128, "random"), (64, 80, 64, "random"),
     (256, 320, 128, "runs"), (64, 96, 64, "runs")])
@@ -194,16 +212,8 @@ def test_into_state_rows(B, N, block_b, rows):
                                      seeds, jnp.asarray(idx_map), pos,
                                      config=config))
   (tokens, cache), (tokens_f, cache_f) = outs
-  valid = idx_map >= 0
-  out = np.asarray(cache)
-  untouched = np.ones((N, S), bool)
-  untouched[idx_map[valid], np.nonzero(valid)[1]] = False
-  np.testing.assert_array_equal(out[untouched], before[untouched])
-  rows = np.where(valid, idx_map, 0)
-  u = np.asarray(jm.draft_uniforms(seeds[rows].reshape(-1),
-                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
-  check_draft(tokens, out[rows, np.arange(S)[None, :]], base, anchor, head,
-              np.asarray(temperature)[rows], u, rows=valid)
+  untouched = _check_into(tokens, cache, before, idx_map, base, anchor, head,
+                          temperature, seeds, pos)
   # Padding writes nothing in either kernel.
   np.testing.assert_array_equal(np.asarray(cache_f)[untouched],
                                 before[untouched])
@@ -410,16 +420,8 @@ def test_partial_last_request_tile(B, block_b, fold):
                                        temperature, seeds,
                                        jnp.asarray(idx_map), pos,
                                        config=config)
-  valid = idx_map >= 0
-  out = np.asarray(cache)
-  untouched = np.ones((N, S), bool)
-  untouched[idx_map[valid], np.nonzero(valid)[1]] = False
-  np.testing.assert_array_equal(out[untouched], before[untouched])
-  rows = np.where(valid, idx_map, 0)
-  u = np.asarray(jm.draft_uniforms(seeds[rows].reshape(-1),
-                                   np.asarray(pos).reshape(-1, 1))).reshape(rows.shape)
-  check_draft(tokens, out[rows, np.arange(S)[None, :]], base, anchor, head,
-              np.asarray(temperature)[rows], u, rows=valid)
+  _check_into(tokens, cache, before, idx_map, base, anchor, head, temperature,
+              seeds, pos)
 
 
 def test_partial_last_request_tile_at_deepseek_v4_shape():
