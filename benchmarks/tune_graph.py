@@ -470,7 +470,9 @@ def main(argv=None):
                          dependent_launch=dependent,
                          config=dataclasses.asdict(cfg)))
         print(f"B={batch:4d} {ms:.4f} ms {'(table) ' if cfg == default else ''}"
-              f"{'' if agree else 'TOKENS DIFFER '}"
+              # At T > 0 another reduction order moves draws that sit on a
+              # CDF boundary: expected; at T = 0 a difference is an error.
+              f"{'' if agree else 'TOKENS DIFFER ' if args.temperature == 0 else '(tokens differ, T > 0) '}"
               f"dependent_launch={dependent} {cfg}", flush=True)
       if args.out:  # after every row: a sweep cut short keeps what it timed
         _write(args.out, shape, args.temperature, rows)
