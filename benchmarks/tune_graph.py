@@ -145,7 +145,7 @@ def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   if cfg.select == "persistent" or cfg.method != "fused":
     return
   for rows in (16384, 32768, 49152, 57344, 65536):
-    # L2-kept rows exclude loads ahead of the wait (KernelConfig checks).
+    # The rows alone: early_proj beside them is the early grid's.
     yield dataclasses.replace(cfg, proj_l2_rows=rows, early_proj=0,
                               prefetch_proj=0, prefetch_programs=0)
 
@@ -192,24 +192,28 @@ def select_candidates(batch: int, vocab: int = 129280, rank: int = 256):
 
 
 def early_candidates(batch: int, vocab: int = 129280, rank: int = 256):
-  """The table's fused tile with 1, 2 and all of its rank chunks of proj
-  loaded before the dependent-launch wait (early_proj; the table's tile
-  without proj_l2_rows where it keeps rows in L2, which early_proj
-  excludes)."""
-  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
-  if cfg.select == "persistent":
+  """The table's fused tile without L2-kept rows and with 0, 1, 2 and all
+  of its rank chunks of proj loaded before the dependent-launch wait
+  (early_proj); where the table keeps rows in L2 (B = 1), then its tile
+  with them and 1, 2 and all chunks early (the early loads under the same
+  hints)."""
+  table = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if table.select == "persistent":
     return
-  cfg = dataclasses.replace(cfg, proj_l2_rows=0, prefetch_proj=0,
+  cfg = dataclasses.replace(table, proj_l2_rows=0, prefetch_proj=0,
                             prefetch_programs=0)
   chunks = -(-rank // cfg.block_k)
-  for early in sorted({0, 1, 2, chunks}):
-    if early <= chunks:
-      yield dataclasses.replace(cfg, early_proj=early)
+  counts = [early for early in sorted({0, 1, 2, chunks}) if early <= chunks]
+  for early in counts:
+    yield dataclasses.replace(cfg, early_proj=early)
   if cfg.block_b >= 64 and cfg.block_k > 32:
     # A 64-request tile has the registers for half a chunk at most (change
     # 42: a whole 64-wide chunk cost it a program a multiprocessor).
     for early in (0, 1):
       yield dataclasses.replace(cfg, block_k=32, early_proj=early)
+  if table.proj_l2_rows:
+    for early in counts[1:]:
+      yield dataclasses.replace(table, early_proj=early)
 
 
 def prefetch_candidates(batch: int, vocab: int = 129280, rank: int = 256):

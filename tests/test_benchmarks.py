@@ -433,9 +433,15 @@ def test_tune_graph_candidates_and_cpu_refusal():
                                         early_proj=c.early_proj,
                                         prefetch_proj=0, prefetch_programs=0)
                for c in cfgs[:4])
-    # 64-request tiles also with 32-wide rank chunks, 0 or 1 early.
+    # 64-request tiles also with 32-wide rank chunks, 0 or 1 early; B = 1
+    # also with its L2-kept rows and 1, 2, 4 early.
     assert [(c.block_k, c.early_proj) for c in cfgs[4:]] == (
-        [(32, 0), (32, 1)] if batch == 64 else [])
+        [(32, 0), (32, 1)] if batch == 64 else
+        [(64, 1), (64, 2), (64, 4)] if batch == 1 else [])
+    assert all(c == dataclasses.replace(table, early_proj=c.early_proj)
+               for c in cfgs[4:] if c.proj_l2_rows)
+    assert sum(bool(c.proj_l2_rows) for c in cfgs) == (3 if batch == 1
+                                                        else 0)
   for batch in (4, 64):  # the table's tile without, then 1-2 prefetched
     cfgs = list(tune_graph.prefetch_candidates(batch))
     table = tuning.choose("fused", batch, 129280, 256, interpret=False)
@@ -458,7 +464,7 @@ def test_tune_graph_candidates_and_cpu_refusal():
         [] if batch == 128 else
         [table.early_proj + table.prefetch_proj + 1])
   assert not list(tune_graph.dependents_candidates(1))  # no select pass
-  for batch in (4, 64):  # the L2 rows exclude loads ahead of the wait
+  for batch in (4, 64):  # the L2 rows alone, no loads ahead of the wait
     assert all(c.proj_l2_rows and not (c.early_proj or c.prefetch_proj)
                for c in tune_graph.l2_candidates(batch))
   if not torch.cuda.is_available():

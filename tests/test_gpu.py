@@ -121,12 +121,16 @@ def test_proj_l2_rows_changes_nothing_at_deepseek_v4_shape(tile):
   assert_sample_drafts_agree(drafts[1], drafts[0], *args)
 
 
-@pytest.mark.parametrize("tile,early_proj", [((16, 128, "mma"), 1),
-                                             ((64, 128, "mma"), 2),
-                                             ((1, 128, "fma"), 4)])
-def test_early_proj_changes_nothing_at_deepseek_v4_shape(tile, early_proj):
+@pytest.mark.parametrize("tile,early_proj,l2_rows",
+                         [((16, 128, "mma"), 1, 0),
+                          ((64, 128, "mma"), 2, 0),
+                          ((1, 128, "fma"), 4, 0),
+                          ((1, 128, "fma"), 2, 57344)])
+def test_early_proj_changes_nothing_at_deepseek_v4_shape(tile, early_proj,
+                                                         l2_rows):
   """proj chunks loaded ahead of the rank loop compile on both bias dots
-  (all four chunks in registers at 4) and give the draft of the same tile
+  (all four chunks in registers at 4), also with L2-kept rows (the early
+  loads then under the same hints), and give the draft of the same tile
   without them (within float32 rounding: two compiled programs)."""
   block_b, block_v, bias_dot = tile
   B = max(1, block_b // 4)
@@ -136,8 +140,8 @@ def test_early_proj_changes_nothing_at_deepseek_v4_shape(tile, early_proj):
   drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
       method="fused", block_b=block_b, block_v=block_v, block_k=64,
       num_warps=4, num_stages=3, bias_dot=bias_dot,
-      select="tail" if block_b == 1 else "pass", early_proj=early))
-            for early in (0, early_proj)]
+      select="tail" if block_b == 1 else "pass", early_proj=early,
+      proj_l2_rows=l2_rows)) for early in (0, early_proj)]
   assert_sample_drafts_agree(drafts[1], drafts[0], *args)
 
 

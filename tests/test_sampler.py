@@ -332,19 +332,23 @@ def test_fma_bias_agrees(block_b, block_v, block_k, k_loop):
   _check_changing_rows(20, config)
 
 
-@pytest.mark.parametrize("block_b,bias_dot,select,k_loop,proj_l2_rows",
-                         [(16, "mma", "pass", "fori", 100),
-                          (1, "fma", "tail", "fori", 64),
-                          (1, "fma", "pass", "static", 10_000)])
+@pytest.mark.parametrize(
+    "block_b,bias_dot,select,k_loop,proj_l2_rows,early_proj",
+    [(16, "mma", "pass", "fori", 100, 0),
+     (1, "fma", "tail", "fori", 64, 0),
+     (1, "fma", "pass", "static", 10_000, 0),
+     (1, "fma", "tail", "fori", 64, 2),
+     (16, "mma", "pass", "fori", 100, 1)])
 def test_proj_l2_rows_changes_no_result(block_b, bias_dot, select, k_loop,
-                                        proj_l2_rows):
+                                        proj_l2_rows, early_proj):
   """L2 hints that keep the first rows of proj in L2 across the steps (part
   of them, one block, or all of proj) take one branch or the other per
-  program and step: the same draft as the reference, both layouts."""
+  program and step, also for the chunks loaded ahead of the rank loop
+  (early_proj): the same draft as the reference, both layouts."""
   args = make_problem(5, 3, 300, 80, seed=27)
   config = jm.KernelConfig(method="fused", block_b=block_b, block_v=64, block_k=32, k_loop=k_loop,
                            bias_dot=bias_dot, select=select,
-                           proj_l2_rows=proj_l2_rows)
+                           proj_l2_rows=proj_l2_rows, early_proj=early_proj)
   draft = jm.sample_draft(*args, config=config)
   assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
   _check_changing_rows(28, config)

@@ -96,10 +96,12 @@ def test_bad_method_and_config(args):
     xla_bias(block_v=128, select="tail")
   with pytest.raises(ValueError, match="proj_l2_rows must be >= 0"):
     fused(block_b=16, block_v=128, proj_l2_rows=-1)
-  # proj chunks before the wait: step by step, without the L2 hints.
+  # proj chunks before the wait: step by step, with or without the L2
+  # hints.
   assert fused(block_b=16, block_v=128, early_proj=2).early_proj == 2
-  for bad in (dict(early_proj=-1), dict(early_proj=1, proj_l2_rows=128),
-              dict(early_proj=1, select="persistent")):
+  assert fused(block_b=1, block_v=128, bias_dot="fma", select="tail",
+               early_proj=2, proj_l2_rows=128).early_proj == 2
+  for bad in (dict(early_proj=-1), dict(early_proj=1, select="persistent")):
     with pytest.raises(ValueError, match="early_proj must be >= 0"):
       fused(block_b=16, block_v=128, **bad)
   with pytest.raises(ValueError, match="early_proj must be >= 0"):

@@ -270,13 +270,27 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                         other=0, eviction_policy=policy)
 
     num_chunks = pl.cdiv(rank, block_k)
+    # With keep_blocks, a program of a kept block (not at the last step)
+    # reads proj evict_last, every other evict_first; the policy is static
+    # per load, so the loads are traced once per policy and the program
+    # takes one branch.
+    keep = ((j < keep_blocks) & (step_ref[0] < steps - 1) if keep_blocks
+            else None)
+
+    def by_policy(load):
+      if keep is None:
+        return load(None)
+      return jax.lax.cond(keep, lambda: load("evict_last"),
+                          lambda: load("evict_first"))
+
     # proj, like base, does not depend on the previous token: the first
     # chunks load before the wait, while the previous step's select runs.
-    # early_proj <= num_chunks, and it needs keep_blocks == 0 (the config
-    # checks): these loads have no eviction policy.
-    early = [load_proj((c * block_k + jnp.arange(block_k))[None, :], None,
-                       d_cols[:, None])
-             for c in range(min(config.early_proj, num_chunks))]
+    def early_chunks(policy):
+      return [load_proj((c * block_k + jnp.arange(block_k))[None, :], policy,
+                        d_cols[:, None])
+              for c in range(min(config.early_proj, num_chunks))]
+
+    early = by_policy(early_chunks) if config.early_proj else []
     if dependent_launch and config.prefetch_proj:
       # Loaded only to be in L2 when the rank loop reads them: one element
       # of each 32-byte sector (DRAM fills L2 a sector at a time), so a
@@ -356,11 +370,8 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       # [block_b, block_v] float32 tile stays live across the rank loop
       # (168 -> 128 registers at 64 x 128; docs/perf-notes.md).
       if keep_blocks:
-        # The policy is static per load, so the loop is traced once per
-        # policy and the program takes one branch. At the last step the kept
-        # blocks are read evict_first too: the draft leaves nothing pinned
-        # behind it.
-        keep = (j < keep_blocks) & (step_ref[0] < steps - 1)
+        # At the last step the kept blocks are read evict_first too: the
+        # draft leaves nothing pinned behind it.
         return jax.lax.cond(
             keep, lambda accs: bias_loop(accs, "evict_last", rows, early),
             lambda accs: bias_loop(accs, "evict_first", rows, early),

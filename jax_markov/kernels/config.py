@@ -67,12 +67,13 @@ class KernelConfig:
       them to the chunk statistics the select pass reads, so there is no
       chunk pass a step (kernels/chunk_pass.py; docs/perf-notes.md change
       39). False, or block_b = 64: the chunk pass.
-    early_proj: fused, step by step, no proj_l2_rows: the block pass loads
-      the first early_proj rank chunks of its proj tile before the
-      dependent-launch wait (proj does not depend on the previous token),
-      so that a step's first programs stream proj while the kernel before
-      them (the previous step's select) still runs; 0: every chunk after
-      the wait, in the pipelined rank loop (docs/perf-notes.md change 42).
+    early_proj: fused, step by step: the block pass loads the first
+      early_proj rank chunks of its proj tile before the dependent-launch
+      wait (proj does not depend on the previous token), so that a step's
+      first programs stream proj while the kernel before them (the previous
+      step's select) still runs; with proj_l2_rows, with the same eviction
+      hints as the rank loop's loads; 0: every chunk after the wait, in the
+      pipelined rank loop (docs/perf-notes.md changes 42 and 51).
     prefetch_proj: fused, step by step, no proj_l2_rows or early_proj, and
       only where the block pass is built for a dependent launch (the native
       runtime; elsewhere the kernel is the one without it): the programs
@@ -190,12 +191,11 @@ class KernelConfig:
                        f"select={self.select!r}")
 
     if self.early_proj < 0 or (self.early_proj and not (
-        fused and self.select != "persistent" and self.proj_l2_rows == 0)):
+        fused and self.select != "persistent")):
       raise ValueError(
-          "early_proj must be >= 0 and needs the fused method step by step "
-          f"with proj_l2_rows=0, got {self.early_proj} with method="
-          f"{self.method!r}, select={self.select!r}, "
-          f"proj_l2_rows={self.proj_l2_rows}")
+          "early_proj must be >= 0 and needs the fused method step by step, "
+          f"got {self.early_proj} with method={self.method!r}, "
+          f"select={self.select!r}")
 
     if self.prefetch_proj < 0 or (self.prefetch_proj and not (
         fused and self.select != "persistent" and self.proj_l2_rows == 0
