@@ -137,6 +137,29 @@ def remainder_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                             remainder_pass="after")
 
 
+def rows_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """One request tile of all the requests (2 to 8) on the CUDA cores, each
+  request a row of its own in the block pass (B = 1's 2D product once per
+  row of the same proj chunk; change 52): B = 1's tile with its L2-kept
+  rows or without, and with 0 or 2 proj chunks loaded before the wait, then
+  64- and 256-column blocks."""
+  if not 1 < batch <= 8:
+    return
+  one = tuning.choose("fused", 1, vocab, rank, interpret=False)
+  tile = dataclasses.replace(one, block_b=_pow2(batch), select="pass",
+                             early_dependents=True)
+  for keep in (one.proj_l2_rows, 0):
+    for early in (0, 2):
+      yield dataclasses.replace(tile, proj_l2_rows=keep, early_proj=early)
+  for bv, warps in ((64, 2), (256, 8)):
+    yield dataclasses.replace(tile, block_v=bv, num_warps=warps,
+                              proj_l2_rows=0, early_proj=2)
+
+
+def _pow2(n: int) -> int:
+  return tuning._next_pow2(n)  # noqa: SLF001
+
+
 def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """The table's fused tile with the first rows of proj kept in L2 across
   the steps (proj_l2_rows: evict_last on those rows, evict_first on every
@@ -380,7 +403,7 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
                  choices=("tiles", "partial", "remainder", "persistent",
-                          "mosaic", "l2",
+                          "mosaic", "l2", "rows",
                           "select", "early", "prefetch", "dependents",
                           "table"),
                  help="tiles: step-by-step tiles near the table's; "
@@ -392,7 +415,8 @@ def main(argv=None):
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
                  "Hopper); l2: the table's tile keeping proj rows in L2 "
-                 "(l2_candidates); select: the table's tile with other "
+                 "(l2_candidates); rows: all of 2-8 requests in one "
+                 "CUDA-core tile, a row each (rows_candidates); select: the table's tile with other "
                  "select-pass warps (select_candidates); early: the table's "
                  "tile loading proj chunks before the dependent-launch wait "
                  "(early_candidates); prefetch: the table's tile prefetching "
@@ -430,6 +454,7 @@ def main(argv=None):
                 persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
+                rows=lambda b: rows_candidates(b, shape.V, shape.R),
                 select=lambda b: select_candidates(b, shape.V, shape.R),
                 early=lambda b: early_candidates(b, shape.V, shape.R),
                 prefetch=lambda b: prefetch_candidates(b, shape.V, shape.R),

@@ -145,6 +145,25 @@ def test_early_proj_changes_nothing_at_deepseek_v4_shape(tile, early_proj,
   assert_sample_drafts_agree(drafts[1], drafts[0], *args)
 
 
+@pytest.mark.parametrize("B,l2_rows,early_proj", [(4, 57344, 2), (3, 0, 0)])
+def test_cuda_core_rows_match_tensor_core_tile_at_deepseek_v4_shape(
+    B, l2_rows, early_proj):
+  """All requests in one CUDA-core tile, a row each (fma, block_b > 1) with
+  or without L2-kept rows and early proj chunks: the draft of the table's
+  16-request tensor-core tile (within float32 rounding: two compiled
+  programs; the bf16 products are exact in both)."""
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=41, head_scale=0.1,
+                      temperature=np.arange(B) % 2 * 1.0)
+  rows = jm.KernelConfig(method="fused", block_b=4, block_v=128, block_k=64,
+                         num_warps=4, num_stages=3, bias_dot="fma",
+                         proj_l2_rows=l2_rows, early_proj=early_proj)
+  mma = jm.KernelConfig(method="fused", block_b=16, block_v=128, block_k=64,
+                        num_warps=4, num_stages=3)
+  drafts = [jm.sample_draft(*args, config=c) for c in (rows, mma)]
+  assert_sample_drafts_agree(drafts[0], drafts[1], *args)
+
+
 @pytest.mark.parametrize("remainder_pass", ["joint", "after"])
 @pytest.mark.parametrize("B", [72, 80])
 def test_remainder_rows_change_nothing_at_deepseek_v4_shape(B,

@@ -210,7 +210,15 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # grid's last tile also the rows past it (its own tile then holds no
   # padding), so that one read of the proj tile serves both and no program
   # of a mostly empty tile re-reads it (docs/perf-notes.md change 48).
-  tiles = [i * block_b + jnp.arange(block_b)]
+  if fused and bias_dot == "fma" and block_b > 1:
+    # On the CUDA cores each request is a tile of its own: B = 1's 2D
+    # product once per row of the same proj chunk, where a [block_b,
+    # block_v, block_k] product is a 3D layout Triton handles 4x slower
+    # (docs/perf-notes.md change 52).
+    tiles = [i * block_b + r + jnp.arange(1) for r in range(block_b)]
+  else:
+    tiles = [i * block_b + jnp.arange(block_b)]
+  own = len(tiles)  # the program's own tiles; then the remainder's
   last = None
   after = remainder_rows and config.remainder_pass == "after"
   if remainder_rows:
@@ -222,7 +230,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
 
   def row_masks(b_idx, g):
     b_mask = b_idx < batch
-    return b_mask if g == 0 else b_mask & last
+    return b_mask if g < own else b_mask & last
 
   masks = [row_masks(b_idx, g) for g, b_idx in enumerate(tiles)]
   # Draw (b, s) is flat index b * S + s of the per-draw arrays and of base's
@@ -429,11 +437,13 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     plgpu.store(bsum_ref.at[b_idx, j], y_sum, mask=b_mask)
     plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
 
-  epilogue(xs[0], tiles[0], draws[0], masks[0])
+  for g in range(own):
+    epilogue(xs[g], tiles[g], draws[g], masks[g])
   if remainder_rows and not after:
     # Only the last tile's programs store remainder rows: the others skip
     # their arithmetic (their loads above were masked off).
-    pl.when(last)(lambda: epilogue(xs[1], tiles[1], draws[1], masks[1]))
+    pl.when(last)(lambda: epilogue(xs[own], tiles[own], draws[own],
+                                   masks[own]))
 
   if after:
     @pl.when(last)
