@@ -464,6 +464,15 @@ def test_tune_graph_candidates_and_cpu_refusal():
         [] if batch == 128 else
         [table.early_proj + table.prefetch_proj + 1])
   assert not list(tune_graph.dependents_candidates(1))  # no select pass
+  for batch in (1, 16):  # rows: 2 to 8 requests only
+    assert not list(tune_graph.rows_candidates(batch))
+  cfgs = list(tune_graph.rows_candidates(3))  # B = 1's tile, 4 rows a tile
+  one = tuning.choose("fused", 1, 129280, 256, interpret=False)
+  assert all(c.block_b == 4 and c.bias_dot == "fma" and c.select == "pass"
+             for c in cfgs)
+  assert [(c.block_v, c.proj_l2_rows, c.early_proj) for c in cfgs] == [
+      (128, one.proj_l2_rows, 0), (128, one.proj_l2_rows, 2), (128, 0, 0),
+      (128, 0, 2), (64, 0, 2), (256, 0, 2)]
   for batch in (4, 64):  # the L2 rows alone, no loads ahead of the wait
     assert all(c.proj_l2_rows and not (c.early_proj or c.prefetch_proj)
                for c in tune_graph.l2_candidates(batch))
