@@ -46,7 +46,8 @@ class KernelConfig:
       step before (proj is read every step and is larger than L2).
     bias_dot: fused only: "mma" computes the bias tile on the tensor cores
       (block_b and block_k >= 16), "fma" on the CUDA cores (any block_b: for
-      a few requests).
+      a few requests; the block pass gives each request of the tile a 2D
+      product of its own on the same proj chunk).
     select: "pass" draws in a second launch a step (the select pass); "tail"
       (fused, block_b = 1) draws in the block pass's program that finishes
       the step last, one launch a step; "persistent" (fused) runs the
