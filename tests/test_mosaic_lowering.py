@@ -431,6 +431,9 @@ def test_per_gpu_entries():
   assert tuning.gpu_family("NVIDIA H100 80GB HBM3") == "h100"
   assert tuning.gpu_family("NVIDIA H200") == "h200"
   assert tuning.gpu_family("NVIDIA A100-SXM4-80GB") is None
+  # Grace Hopper by its memory: HBM3e as the H200, HBM3 as the H100.
+  assert tuning.gpu_family("NVIDIA GH200 144G HBM3e") == "h200"
+  assert tuning.gpu_family("NVIDIA GH200 480GB") == "h100"
   assert tuning.gpu_family(None) is None
   table = tuning.TABLE[("mosaic", V, R, 256)]
   kw = dict(interpret=False, hopper=True)
@@ -439,7 +442,9 @@ def test_per_gpu_entries():
   assert (h100.method, h100.num_stages) == ("mosaic", 4)
   assert tuning.choose("mosaic", 256, V, R, interpret=False,
                        gpu="NVIDIA H100 80GB HBM3") == h100
-  for gpu in ("NVIDIA H200", None, "NVIDIA GH200 480GB"):
+  assert tuning.choose(None, 256, V, R, gpu="NVIDIA GH200 480GB",
+                       **kw) == h100
+  for gpu in ("NVIDIA H200", None, "NVIDIA GH200 144G HBM3e"):
     assert tuning.choose(None, 256, V, R, gpu=gpu, **kw) == table
   # Not on the CPU, and not for the Triton entries.
   assert tuning.choose(None, 256, V, R, interpret=True, hopper=True,

@@ -151,9 +151,17 @@ GPU_TABLE: dict[tuple[str, str, int, int, int], KernelConfig] = {
 
 def gpu_family(name: str | None) -> str | None:
   """The GPU_TABLE family of a device name ("NVIDIA H100 80GB HBM3" ->
-  "h100"), or None for a GPU with no entries of its own."""
+  "h100"), or None for a GPU with no entries of its own.
+
+  The entries differ by memory bandwidth (the H200's HBM3e against the
+  H100's HBM3), so a Grace Hopper GH200 goes by its memory: the HBM3e
+  module ("NVIDIA GH200 144G HBM3e") as an H200, the HBM3 one ("NVIDIA
+  GH200 480GB", 96 GB) as an H100. Neither was measured here.
+  """
   name = (name or "").lower()
-  for family in ("h200", "h100"):  # "h200" first: neither name holds both
+  if "gh200" in name:
+    return "h200" if ("hbm3e" in name or "144g" in name) else "h100"
+  for family in ("h200", "h100"):
     if family in name:
       return family
   return None
