@@ -203,6 +203,14 @@ def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                              partial_tiles=partial)
 
 
+def embed_candidates(table: KernelConfig):
+  """The Mosaic GPU entry ``table`` (timed first, as every grid's default)
+  with the select pass writing the next step's embeddings instead
+  (select_embed: no embed_rows launch a step)."""
+  if table.method == "mosaic":
+    yield dataclasses.replace(table, select_embed=not table.select_embed)
+
+
 def select_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """The table's fused tile with 1 to 8 warps a select-pass program (the
   table's 4 was chosen with the block pass, never swept on its own)."""
@@ -403,7 +411,7 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
                  choices=("tiles", "partial", "remainder", "persistent",
-                          "mosaic", "l2", "rows",
+                          "mosaic", "embed", "l2", "rows",
                           "select", "early", "prefetch", "dependents",
                           "table"),
                  help="tiles: step-by-step tiles near the table's; "
@@ -414,7 +422,9 @@ def main(argv=None):
                  "(remainder_candidates); "
                  "persistent: the one-launch draft (persistent_candidates); "
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
-                 "Hopper); l2: the table's tile keeping proj rows in L2 "
+                 "Hopper); embed: the Mosaic entry with and without the "
+                 "select pass writing the next embeddings "
+                 "(embed_candidates); l2: the table's tile keeping proj rows in L2 "
                  "(l2_candidates); rows: all of 2-8 requests in one "
                  "CUDA-core tile, a row each (rows_candidates); select: the table's tile with other "
                  "select-pass warps (select_candidates); early: the table's "
@@ -443,7 +453,8 @@ def main(argv=None):
     inputs = common.torch_inputs(shape, batch, 0, torch.device("cuda"))
     # table: what the hook runs by default (the Mosaic GPU entry where the
     # table has one for a Hopper GPU); the grids: their method's entry.
-    method = dict(mosaic="mosaic", table=None).get(args.grid, "fused")
+    method = dict(mosaic="mosaic", embed="mosaic",
+                  table=None).get(args.grid, "fused")
     default = tuning.choose(
         method, batch, shape.V, shape.R, interpret=False,
         hopper=torch.cuda.get_device_capability()[0] == 9,
@@ -453,6 +464,7 @@ def main(argv=None):
                 remainder=lambda b: remainder_candidates(b, shape.V, shape.R),
                 persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
+                embed=lambda _: embed_candidates(default),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
                 rows=lambda b: rows_candidates(b, shape.V, shape.R),
                 select=lambda b: select_candidates(b, shape.V, shape.R),

@@ -101,13 +101,16 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
   fold = (mosaic_block_pass.epilogue_chunk(config, B, V)
           if config.method == "mosaic" else None)
 
-  def mosaic_step(cache, tokens, s):
-    # XLA gathers the previous tokens' embedding rows; the kernel keeps them
-    # in shared memory.
-    prev = anchor_tokens if tokens is None else jax.lax.dynamic_index_in_dim(
-        tokens.reshape(B, S), s[0] - 1, axis=1, keepdims=False)
+  def mosaic_step(cache, tokens, emb, s):
+    # The kernel keeps the previous tokens' embedding rows in shared memory:
+    # XLA gathers them, or (select_embed) the select pass of the step before
+    # wrote them, and at step 0 they are the anchors' (emb is None).
+    if emb is None or not config.select_embed:
+      prev = anchor_tokens if tokens is None else jax.lax.dynamic_index_in_dim(
+          tokens.reshape(B, S), s[0] - 1, axis=1, keepdims=False)
+      emb = head.embed[prev]
     cache, bmax, bsum, barg, *chunks = mosaic_block_pass.mosaic_block_pass(
-        base_flat, head.embed[prev], head.proj, params, s, cache, cache_rows,
+        base_flat, emb, head.proj, params, s, cache, cache_rows,
         num_steps=S, num_cache_rows=num_cache_rows, block_b=config.block_b,
         block_v=config.block_v,
         max_concurrent_steps=(config.num_stages if config.num_stages >= 2
@@ -116,17 +119,27 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
       # The statistics are block-major: reduced over chunks of blocks first,
       # a request's draw reads a few short strided runs, not NB words.
       chunks = chunk_pass(bmax, bsum, barg)
-    return cache, (bmax, bsum, barg), tuple(chunks)
+    return cache, emb, (bmax, bsum, barg), tuple(chunks)
 
-  def step(cache, tokens, counters, s):
-    """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0."""
+  def step(cache, tokens, carried, s):
+    """One step; s is int32 [1]; tokens int32 [B * S] or None at step 0.
+
+    carried: the tail select's counters, or the Mosaic pass's embeddings
+    for this step with select_embed (None at step 0), else None.
+    """
     if config.method == "mosaic":
-      cache, stats, chunks = mosaic_step(cache, tokens, s)
+      cache, emb, stats, chunks = mosaic_step(cache, tokens, carried, s)
       tokens = select_pass(*stats, cache, s, params, cache_rows,
                            tokens, config=config, num_steps=S, vocab=V,
                            stats_major="block", chunk_stats=chunks,
-                           chunk=fold or chunk_pass_module.CHUNK)
-      return cache, tokens, counters
+                           chunk=fold or chunk_pass_module.CHUNK,
+                           embed=head.embed if config.select_embed else None,
+                           emb=emb if config.select_embed else None)
+      if config.select_embed:
+        tokens, emb = tokens
+        return cache, tokens, emb
+      return cache, tokens, None
+    counters = carried
     if config.method == "fused":
       # The block pass gathers the previous tokens' embedding rows itself.
       bias_or_head = (head.embed, head.proj, anchor_tokens)
@@ -163,24 +176,24 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
   # Step 0 creates the token array (and the cache when none is given), so the
   # steps after it update both in place. The tail select's counters start at
   # zero and every step leaves them there.
-  counters = None
+  carried = None
   if tail:
-    counters = jnp.zeros((num_request_tiles(B, config.block_b),), jnp.int32)
-  cache, tokens, counters = step(cache, None, counters,
-                                 jnp.zeros((1,), jnp.int32))
+    carried = jnp.zeros((num_request_tiles(B, config.block_b),), jnp.int32)
+  cache, tokens, carried = step(cache, None, carried,
+                                jnp.zeros((1,), jnp.int32))
   unroll = not interpret if config.unroll is None else config.unroll
   if unroll:
     # A Python loop: the step index of each launch is a constant, so each
     # step is 1-2 launches (+1 with the xla_bias GEMM), no slicing kernels.
     for s in range(1, S):
-      cache, tokens, counters = step(cache, tokens, counters,
-                                     jnp.full((1,), s, jnp.int32))
+      cache, tokens, carried = step(cache, tokens, carried,
+                                    jnp.full((1,), s, jnp.int32))
   elif S > 1:
     def body(carry, s):
       return step(*carry, s[None]), None
 
-    (cache, tokens, counters), _ = jax.lax.scan(
-        body, (cache, tokens, counters), jnp.arange(1, S, dtype=jnp.int32))
+    (cache, tokens, carried), _ = jax.lax.scan(
+        body, (cache, tokens, carried), jnp.arange(1, S, dtype=jnp.int32))
   return tokens.reshape(B, S), cache
 
 

@@ -464,6 +464,11 @@ def test_tune_graph_candidates_and_cpu_refusal():
         [] if batch == 128 else
         [table.early_proj + table.prefetch_proj + 1])
   assert not list(tune_graph.dependents_candidates(1))  # no select pass
+  mosaic = tuning.KernelConfig(method="mosaic", block_b=128, block_v=64)
+  assert list(tune_graph.embed_candidates(mosaic)) == [
+      dataclasses.replace(mosaic, select_embed=True)]
+  assert not list(tune_graph.embed_candidates(
+      tuning.choose("fused", 64, 129280, 256, interpret=False)))
   for batch in (1, 16):  # rows: 2 to 8 requests only
     assert not list(tune_graph.rows_candidates(batch))
   cfgs = list(tune_graph.rows_candidates(3))  # B = 1's tile, 4 rows a tile

@@ -267,7 +267,16 @@ def test_one_step_operand_order_for_a_native_runtime():
   assert select_pass.INPUTS == ("block_max", "block_sum", "block_argmax",
                                 "cache", "step", "params", "cache_rows",
                                 "tokens", "columns", "chunk_max",
-                                "chunk_sum", "chunk_argmax")
+                                "chunk_sum", "chunk_argmax", "embed", "emb")
+  assert select_pass.OUTPUTS == ("tokens", "emb")
+  # The select that also writes the next embeddings (select_embed): embed
+  # and emb after the plain operands, emb updated in place.
+  fn = lambda *xs: select_pass.select_pass(  # noqa: E731
+      *xs[:8], config=tail, num_steps=S, embed=xs[8], emb=xs[9])
+  order, aliases = _pallas_operands(fn, stats, stats, i32(B, V // 64), cache,
+                                    step, params, cache_rows, tokens, embed,
+                                    spec((B, R), jnp.bfloat16))
+  assert order == list(range(10)) and dict(aliases) == {7: 0, 9: 1}
 
   # Sampling with a map: slots [V target] after every other given input
   # (base and proj over the draft columns).

@@ -389,6 +389,25 @@ def test_folded_and_unfolded_drafts_agree_at_b256():
   assert_sample_drafts_agree(folded, plain, *args)
 
 
+@pytest.mark.parametrize("B,block_b", [(256, 128), (192, 64)])
+def test_select_embed_draft_is_the_gathered_draft_bit_for_bit(B, block_b):
+  """The select pass writing the next step's embeddings (select_embed)
+  instead of XLA's gather before each step: the same tokens and cache, bit
+  for bit (the same rows reach the same kernels), with the fold (128-request
+  tiles) and with the chunk pass (64)."""
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=97, head_scale=0.1,
+                      temperature=np.where(np.arange(B) % 5 == 0, 0.0, 0.9))
+  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
+      method="mosaic", block_b=block_b, block_v=64, select_embed=fetch))
+            for fetch in (False, True)]
+  np.testing.assert_array_equal(np.asarray(drafts[1].tokens),
+                                np.asarray(drafts[0].tokens))
+  np.testing.assert_array_equal(np.asarray(drafts[1].logits),
+                                np.asarray(drafts[0].logits))
+  check_sample_draft(drafts[1], *args)
+
+
 @pytest.mark.parametrize("B,block_b,fold", [(72, 128, True), (72, 64, True),
                                             (136, 128, True),
                                             (136, 128, False),

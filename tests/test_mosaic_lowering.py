@@ -527,6 +527,68 @@ def test_select_pass_reads_block_major_statistics():
                 num_steps=S, stats_major="column", interpret=True)
 
 
+@pytest.mark.parametrize("stats_major,chunked", [("request", False),
+                                                 ("block", False),
+                                                 ("block", True)])
+def test_select_pass_writes_the_next_embeddings(stats_major, chunked):
+  """With embed (KernelConfig.select_embed), the select pass also writes
+  each request's drawn token's row of embed to emb, in place where emb is
+  given, and draws the tokens it draws without: what embed_rows gathers
+  for the next step; R not a power of two. Bad operands are refused."""
+  from jax_markov.kernels.block_pass import block_pass
+  from jax_markov.kernels.chunk_pass import chunk_pass
+  from jax_markov.kernels.embed_rows import embed_rows
+  from jax_markov.kernels.select_pass import select_pass
+  B, S, V, R = 6, 2, 256, 24
+  base, anchor, head, _, _, _ = make_problem(B, S, V, R, jnp.bfloat16, seed=9)
+  base = base.reshape(B * S, V)
+  t = jnp.where(jnp.arange(B * S) % 3 == 0, 0.0, 1.0)
+  params = jnp.stack([jnp.where(t > 0, 1 / jnp.maximum(t, 1e-9), 1.0),
+                      (t == 0).astype(jnp.float32),
+                      jax.random.uniform(jax.random.PRNGKey(3), (B * S,))])
+  config = jm.KernelConfig(method="fused", block_b=16, block_v=32, block_k=16)
+  step = jnp.zeros((1,), jnp.int32)
+  cache, bmax, bsum, barg = block_pass(
+      base, (head.embed, head.proj, anchor), step, params, None, None, None,
+      config=config, num_steps=S, num_cache_rows=B * S, interpret=True)
+  stats = (bmax, bsum, barg)
+  kw = dict(config=config, num_steps=S, interpret=True)
+  if stats_major == "block":
+    stats = tuple(x.T for x in stats)
+    kw["stats_major"] = "block"
+    if chunked:
+      kw.update(chunk_stats=chunk_pass(*stats, chunk=4, interpret=True),
+                chunk=4)
+  plain = select_pass(*stats, cache, step, params, **kw)
+  emb0 = jnp.zeros((B, R), jnp.bfloat16)
+  tokens, emb = select_pass(*stats, cache, step, params, embed=head.embed,
+                            emb=emb0, **kw)
+  chex.assert_shape(emb, (B, R))
+  chex.assert_type(emb, jnp.bfloat16)
+  rows = jnp.arange(B) * S
+  np.testing.assert_array_equal(np.asarray(tokens)[rows],
+                                np.asarray(plain)[rows])
+  # What embed_rows gathers at step 1 from these tokens.
+  gathered = embed_rows(head.embed, anchor, tokens, jnp.ones((1,), jnp.int32),
+                        num_steps=S, interpret=True)
+  np.testing.assert_array_equal(np.asarray(emb, np.float32),
+                                np.asarray(gathered, np.float32))
+  np.testing.assert_array_equal(
+      np.asarray(emb, np.float32),
+      np.asarray(head.embed[np.asarray(tokens)[rows]], np.float32))
+  # Without emb: a new buffer, the same rows.
+  _, fresh = select_pass(*stats, cache, step, params, embed=head.embed, **kw)
+  np.testing.assert_array_equal(np.asarray(fresh, np.float32),
+                                np.asarray(emb, np.float32))
+  with pytest.raises(ValueError, match="needs embed"):
+    select_pass(*stats, cache, step, params, emb=emb0, **kw)
+  with pytest.raises(ValueError, match="embed must be"):
+    select_pass(*stats, cache, step, params, embed=head.embed[:V - 1], **kw)
+  with pytest.raises(ValueError, match="emb must be"):
+    select_pass(*stats, cache, step, params, embed=head.embed,
+                emb=emb0.astype(jnp.float32), **kw)
+
+
 def test_embed_rows_gathers_the_previous_tokens_rows():
   """kernels/embed_rows.py (the native runtime's operand of the Mosaic GPU
   block pass): anchors at step 0, the step before's tokens after; R not a

@@ -96,6 +96,11 @@ def test_bad_method_and_config(args):
     xla_bias(block_v=128, select="tail")
   with pytest.raises(ValueError, match="proj_l2_rows must be >= 0"):
     fused(block_b=16, block_v=128, proj_l2_rows=-1)
+  # The select writing the next embeddings: the Mosaic pass's only.
+  assert jm.KernelConfig(method="mosaic", block_b=128, block_v=64,
+                         select_embed=True).select_embed
+  with pytest.raises(ValueError, match="select_embed is for method='mosaic'"):
+    fused(block_b=16, block_v=128, select_embed=True)
   # proj chunks before the wait: step by step, with or without the L2
   # hints.
   assert fused(block_b=16, block_v=128, early_proj=2).early_proj == 2

@@ -12,8 +12,9 @@ a Hopper GPU, bf16, no map, sampling; kernels/mosaic_block_pass.py),
 ``embed_rows`` (the previous tokens' embeddings), ``mosaic_block_pass``
 (which with 128-request tiles also reduces its block-major statistics over
 chunks of blocks; else a ``chunk_pass`` follows it) and ``select_pass`` a
-step, the Mosaic kernel launched by :mod:`torch_bridge.mosaic_launch` on
-the same stream;
+step (with ``select_embed`` the select pass writes the next step's
+embeddings and ``embed_rows`` runs at step 0 only), the Mosaic kernel
+launched by :mod:`torch_bridge.mosaic_launch` on the same stream;
 
 every launch reading and writing buffers at fixed addresses: the spec's
 buffers, the scratch allocated here once for ``max_num_reqs``, and the base
@@ -433,12 +434,13 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
                  chunk_pass_module.OUTPUTS))
 
   def select_call(block_max, block_sum, block_argmax, cache, step, params,
-                  cache_rows, tokens, chunk_max, chunk_sum, chunk_argmax):
+                  cache_rows, tokens, chunk_max, chunk_sum, chunk_argmax,
+                  embed=None, emb=None):
     return select_pass(block_max, block_sum, block_argmax, cache, step,
                        params, cache_rows, tokens, config=cfg, num_steps=s,
                        vocab=v, stats_major="block",
                        chunk_stats=(chunk_max, chunk_sum, chunk_argmax),
-                       chunk=chunk)
+                       chunk=chunk, embed=embed, emb=emb)
 
   specs = dict(block_max=_spec((nb, bp), f32), block_sum=_spec((nb, bp), f32),
                block_argmax=_spec((nb, bp), i32), cache=_spec((m * s, v), f32),
@@ -446,11 +448,18 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
                cache_rows=_spec((bp * s,), i32), tokens=_spec((bp * s,), i32),
                chunk_max=_spec((nc, bp), f32), chunk_sum=_spec((nc, bp), f32),
                chunk_argmax=_spec((nc, bp), i32))
+  updated = ("tokens",)
+  if cfg.select_embed:
+    # The select writes the next step's embeddings (embed_rows then runs
+    # at step 0 only: _launches).
+    specs.update(embed=_spec((sh.vocab_in, r), sh.head_dtype),
+                 emb=_spec((bp, r), sh.head_dtype))
+    updated = ("tokens", "emb")
   out["select_pass"] = (
       *_lower(ir_cache, {**desc, "kernel": "select_pass"}, select_call, specs,
               capability),
       operands(select_pass_module.INPUTS, select_pass_module.OUTPUTS, specs,
-               ("tokens",)))
+               updated))
   return out
 
 
@@ -542,6 +551,7 @@ class DraftPlans:
                  chunk_argmax=ptr(self.carg),
                  emb=ptr(self.emb))
     launches = []
+    cfg = shape_config(self.shape, bp)
     for name, (ir, path, names) in lower_bucket(
         self.shape, bp, self.ir_cache, self.capability, self.num_sms,
         self.dependent_launch).items():
@@ -554,6 +564,8 @@ class DraftPlans:
                         and bucket_dependent_launch(self.shape, bp,
                                                     self.dependent_launch)))
       steps = range(self.shape.steps) if name in _STEP_KERNELS else (None,)
+      if name == "embed_rows" and cfg.select_embed:
+        steps = (0,)  # later steps' embeddings: the select pass before
       for step in steps:
         table = dict(fixed)
         if step is not None:

@@ -117,6 +117,13 @@ class KernelConfig:
       stored once (kernels/mosaic_block_pass.py; docs/perf-notes.md change
       50). False: the table picks the entry only where block_b divides B.
       A config passed to the sampler runs partial tiles either way.
+    select_embed: method="mosaic": the select pass also writes the token it
+      draws's row of embed to the [B, R] embeddings the next step's Mosaic
+      pass reads (vLLM's select fetches the next embedding the same way),
+      so no gather runs between the steps (the native runtime's embed_rows
+      launch a step, XLA's gather in JAX); only step 0's embeddings, of
+      the anchors, are gathered (docs/perf-notes.md change 53). False: a
+      gather before every step.
   """
   method: str = "fused"
   block_b: int = 16
@@ -141,6 +148,7 @@ class KernelConfig:
   remainder_b: int = 0
   remainder_pass: str = "joint"
   partial_tiles: bool = False
+  select_embed: bool = False
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -220,6 +228,11 @@ class KernelConfig:
         raise ValueError(
             "remainder_b needs the fused method with the select pass, got "
             f"method={self.method!r}, select={self.select!r}")
+
+    if self.select_embed and self.method != "mosaic":
+      raise ValueError("select_embed is for method='mosaic' (the Triton "
+                       "block pass gathers its embeddings itself), got "
+                       f"method={self.method!r}")
 
     if self.partial_tiles and self.method != "mosaic":
       raise ValueError("partial_tiles is for method='mosaic', got "

@@ -10,7 +10,9 @@ normaliser Z, then draws:
   whose running sum exceeds u * Z. One exp per logit of that block.
 
 and writes the token to the draft's [B * S] token array, where the next
-step's block pass reads it back (and gathers its embedding row itself). The
+step's block pass reads it back (and gathers its embedding row itself; for
+the Mosaic GPU block pass, which reads dense embeddings, the select pass can
+write the token's row of ``embed`` to them instead, as vLLM's does). The
 draw itself, :func:`draw_token`, is also what the block pass's tail select
 runs (``select="tail"``), so the two forms draw identically.
 
@@ -53,8 +55,8 @@ from jax_markov.kernels.named_call import named_call
 # last, so the order of the other operands is the same with them absent.
 INPUTS = ("block_max", "block_sum", "block_argmax", "cache", "step", "params",
           "cache_rows", "tokens", "columns", "chunk_max", "chunk_sum",
-          "chunk_argmax")
-OUTPUTS = ("tokens",)
+          "chunk_argmax", "embed", "emb")
+OUTPUTS = ("tokens", "emb")
 
 
 def _to_target(token, columns_ref, vocab: int):
@@ -252,27 +254,39 @@ def _select_pass_kernel(ins, outs, *, num_blocks: int, blocks_pow2: int,
                                    signal_first=signal_first)
   d = b * steps + ins["step"][0]  # this draw's flat index in the [B * S] arrays
   columns_ref = ins.get("columns")
-  # Written through the output ref: with tokens given, the same buffer as the
-  # input of that name, which the kernel does not read.
   if no_cache:
-    outs["tokens"][d] = greedy_token(
+    token = greedy_token(
         ins["block_max"], ins["block_argmax"], b, num_blocks=num_blocks,
         blocks_pow2=blocks_pow2, vocab=vocab, columns_ref=columns_ref,
         block_major=block_major)
-    return
-  if chunk is not None:
-    outs["tokens"][d] = draw_token_chunked(
+  elif chunk is not None:
+    token = draw_token_chunked(
         ins["block_max"], ins["block_sum"], ins["chunk_max"],
         ins["chunk_sum"], ins["chunk_argmax"], ins["block_argmax"],
         ins["cache"], ins["params"], ins.get("cache_rows"), b, d,
         num_blocks=num_blocks, chunk=chunk,
         num_chunks=ins["chunk_max"].shape[0], block_v=block_v, vocab=vocab)
-    return
-  outs["tokens"][d] = draw_token(
-      ins["block_max"], ins["block_sum"], ins["block_argmax"], ins["cache"],
-      ins["params"], ins.get("cache_rows"), b, d, num_blocks=num_blocks,
-      blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab,
-      block_major=block_major)
+  else:
+    token = draw_token(
+        ins["block_max"], ins["block_sum"], ins["block_argmax"], ins["cache"],
+        ins["params"], ins.get("cache_rows"), b, d, num_blocks=num_blocks,
+        blocks_pow2=blocks_pow2, block_v=block_v, vocab=vocab,
+        block_major=block_major)
+  # Written through the output ref: with tokens given, the same buffer as the
+  # input of that name, which the kernel does not read.
+  outs["tokens"][d] = token
+  if "embed" in ins:
+    # The next step's embedding row, as vLLM's select fetches it: the Mosaic
+    # block pass reads a dense [B, R] operand, which this fills, so no
+    # embed_rows launch runs a step. The token is in [0, vocab) by the
+    # draw's clamp, and vocab <= the table's rows (select_pass checks).
+    rank = ins["embed"].shape[1]
+    rank_pow2 = pl.next_power_of_2(rank)
+    cols = jnp.arange(rank_pow2)
+    row = plgpu.load(ins["embed"].at[token, pl.ds(0, rank_pow2)],
+                     mask=cols < rank, other=0)
+    plgpu.store(outs["emb"].at[b, pl.ds(0, rank_pow2)], row,
+                mask=cols < rank)
 
 
 def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
@@ -284,7 +298,8 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
                 vocab: int | None = None, no_cache: bool = False,
                 dependent_launch: bool = False, stats_major: str = "request",
                 chunk_stats: tuple[jax.Array, jax.Array, jax.Array] | None = None,
-                chunk: int | None = None, interpret: bool = False):
+                chunk: int | None = None, embed: jax.Array | None = None,
+                emb: jax.Array | None = None, interpret: bool = False):
   """Runs the select pass of one step.
 
   Args:
@@ -330,18 +345,26 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
       of NB words a statistic.
     chunk: the blocks a chunk of chunk_stats (static); NC must be
       ceil(NB / chunk). Given exactly when chunk_stats is.
+    embed: optionally the [V_in, R] embedding table (V_in >= vocab, no
+      columns, sampling): each program then also writes its token's row to
+      emb, the next step's embeddings (what kernels/embed_rows.py gathers).
+    emb: with embed, the [B, R] buffer (embed's dtype) to update in place,
+      or None for a new one.
     interpret: run in the Pallas interpreter (CPU).
 
   Returns:
-    tokens int32 [B * S], with draw (b, s) at b * S + s written.
+    tokens int32 [B * S], with draw (b, s) at b * S + s written; with embed,
+    (tokens, emb) where emb[b] = embed[the token of draw (b, s)].
 
   Operands of the pallas_call (the order a native runtime binds pointers
   in): the inputs that are given, in the order ``block_max, block_sum,
   block_argmax, cache, step, params, cache_rows, tokens, columns, chunk_max,
-  chunk_sum, chunk_argmax``, then the output ``tokens``, which aliases the input tokens where it is given (see
-  :data:`INPUTS`, :data:`OUTPUTS`). columns comes last, so without it the
-  order is that of the plain select pass; with no_cache the inputs are
-  ``block_max, block_argmax, step, tokens, columns`` (those given).
+  chunk_sum, chunk_argmax, embed, emb``, then the outputs ``tokens`` (and
+  ``emb`` with embed), each aliasing the input of its name where that is
+  given (see :data:`INPUTS`, :data:`OUTPUTS`). The operands past tokens are
+  optional, so without them the order is that of the plain select pass;
+  with no_cache the inputs are ``block_max, block_argmax, step, tokens,
+  columns`` (those given).
   """
   dependent_launch_module.check(dependent_launch, interpret=interpret)
   if stats_major not in ("request", "block"):
@@ -384,6 +407,19 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
             f"chunk_stats must be (float32, float32, int32) [{nc}, {batch}] "
             f"(ceil(NB / chunk) = ceil({num_blocks} / {chunk}) chunks), got "
             f"{[(str(y.dtype), y.shape) for y in chunk_stats]}")
+  if embed is None and emb is not None:
+    raise ValueError("emb is the buffer the next embeddings go to: it needs "
+                     "embed")
+  if embed is not None:
+    if no_cache or embed.ndim != 2 or embed.shape[0] < vocab:
+      raise ValueError(
+          f"embed must be [V_in >= {vocab}, R], the table the drawn tokens "
+          f"index, and is for sampling (no_cache=False); got {embed.shape} "
+          f"with no_cache={no_cache}")
+    if emb is not None and (emb.shape != (batch, embed.shape[1])
+                            or emb.dtype != embed.dtype):
+      raise ValueError(f"emb must be {embed.dtype} [{batch}, "
+                       f"{embed.shape[1]}], got {emb.dtype} {emb.shape}")
   kernel = functools.partial(
       _select_pass_kernel, num_blocks=num_blocks,
       blocks_pow2=pl.next_power_of_2(num_blocks), block_v=config.block_v,
@@ -395,15 +431,20 @@ def select_pass(block_max: jax.Array, block_sum: jax.Array | None,
                block_argmax=block_argmax, cache=cache, step=step,
                params=params, cache_rows=cache_rows, tokens=tokens,
                columns=columns, chunk_max=chunk_max, chunk_sum=chunk_sum,
-               chunk_argmax=chunk_argmax)
+               chunk_argmax=chunk_argmax, embed=embed, emb=emb)
+  outputs = dict(tokens=jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32))
+  if embed is not None:
+    outputs["emb"] = jax.ShapeDtypeStruct((batch, embed.shape[1]),
+                                          embed.dtype)
   out = named_call(
-      kernel, {name: given[name] for name in INPUTS},
-      dict(tokens=jax.ShapeDtypeStruct((batch * num_steps,), jnp.int32)),
-      aliased=("tokens",),
+      kernel, {name: given[name] for name in INPUTS}, outputs,
+      aliased=OUTPUTS,
       grid=(batch,),
       compiler_params=plgpu.CompilerParams(num_warps=config.select_warps,
                                            num_stages=1),
       interpret=interpret,
       name="markov_select_pass",
   )
+  if embed is not None:
+    return out["tokens"], out["emb"]
   return out["tokens"]
