@@ -254,6 +254,21 @@ def test_sampler_lowers_mosaic_block_pass_and_triton_select(B, block_b,
       0 if chunk_passes == 0 else 1)
 
 
+def test_sampler_with_select_embed_gathers_at_step_0_only():
+  """select_embed: the select pass writes the next step's embeddings, so
+  XLA gathers embed rows for step 0 only (the anchors') instead of every
+  step; the kernels launched are the same."""
+  def lowered(fetch):
+    config = jm.KernelConfig(method="mosaic", block_b=128, block_v=64,
+                             num_stages=0, select_embed=fetch)
+    return _sampler_text(256, DSV4["V"], DSV4["R"], DSV4["S"], config)
+  plain, fetched = lowered(False), lowered(True)
+  for call in ("stablehlo.custom_call @mosaic_gpu", "__gpu$xla.gpu.triton"):
+    assert fetched.count(call) == plain.count(call)
+  assert plain.count("stablehlo.gather") == DSV4["S"] * fetched.count(
+      "stablehlo.gather")
+
+
 @pytest.mark.parametrize("B,V,block_v,sms,chunk,nc", [
     (256, DSV4["V"], 64, 132, 31, 66),   # 2020 blocks in 66 runs of 31
     (256, DSV4["V"], 128, 132, 16, 64),  # 1010 in 64 runs of 16 (the last 2)
