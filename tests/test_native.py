@@ -164,10 +164,12 @@ def test_mosaic_bucket_is_planned(tmp_path):
                    "chunk_max", "chunk_sum", "chunk_argmax", "cache"]
   assert kernels["embed_rows"][2] == ["embed", "anchors", "tokens", "step",
                                       "emb"]
+  # The select also writes the next step's embeddings (select_embed, the
+  # table's Mosaic entries): emb in place after tokens.
   assert kernels["select_pass"][2] == [
       "block_max", "block_sum", "block_argmax", "cache", "step", "params",
       "cache_rows", "tokens", "chunk_max", "chunk_sum", "chunk_argmax",
-      "tokens"]
+      "embed", "emb", "tokens", "emb"]
   # The device's name picks a per-GPU entry (tuning.GPU_TABLE).
   h100 = dataclasses.replace(shape, gpu="NVIDIA H100 80GB HBM3")
   assert native_plan.shape_config(h100, 256).num_stages == 4
@@ -187,16 +189,16 @@ def test_mosaic_bucket_is_planned(tmp_path):
                                        "block_argmax", "chunk_max",
                                        "chunk_sum", "chunk_argmax"]
   assert native_plan.mosaic_chunks(129280, monkey, 256, 132) == 64
-  # select_embed: the select pass also writes the next embeddings (emb,
-  # in place after tokens), so embed_rows runs at step 0 only.
-  fetch = dataclasses.replace(cfg, select_embed=True)
-  fetched = native_plan._lower_mosaic(  # pylint: disable=protected-access
-      shape, 256, cache, (9, 0), fetch, {"shape": "fetch"}, 132)
-  assert fetched["select_pass"][2] == [
+  # Without select_embed: the plain select (embed_rows every step).
+  assert cfg.select_embed
+  gather = dataclasses.replace(cfg, select_embed=False)
+  gathered = native_plan._lower_mosaic(  # pylint: disable=protected-access
+      shape, 256, cache, (9, 0), gather, {"shape": "gather"}, 132)
+  assert gathered["select_pass"][2] == [
       "block_max", "block_sum", "block_argmax", "cache", "step", "params",
       "cache_rows", "tokens", "chunk_max", "chunk_sum", "chunk_argmax",
-      "embed", "emb", "tokens", "emb"]
-  assert fetched["embed_rows"][2] == kernels["embed_rows"][2]
+      "tokens"]
+  assert gathered["embed_rows"][2] == kernels["embed_rows"][2]
   assert not native_plan.bucket_dependent_launch(shape, 256, True)
   # A vocabulary with no entry takes the Mosaic rule at 256, not at 128.
   v152k = dataclasses.replace(_shape(256, 7, 151936, 256), mosaic=True,
@@ -776,9 +778,9 @@ def test_gpu_loads_ahead_of_the_wait_are_the_plain_launch_bit_for_bit(
 
 def test_gpu_select_embed_is_the_gathered_draft_bit_for_bit(monkeypatch):
   """The Mosaic GPU bucket (B = 256, DeepSeek-V4 shape) with the select
-  pass writing the next step's embeddings (select_embed: embed_rows at step
-  0 only) drafts what the bucket with embed_rows every step drafts, bit for
-  bit, eager and captured on alternating inputs (an embedding row left from
+  pass writing the next step's embeddings (select_embed, the table's
+  entries: embed_rows at step 0 only) drafts what the bucket with
+  embed_rows every step drafts, bit for bit, eager and captured on alternating inputs (an embedding row left from
   the replay before would change the draft)."""
   pytest.importorskip("triton")
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
@@ -789,20 +791,21 @@ def test_gpu_select_embed_is_the_gathered_draft_bit_for_bit(monkeypatch):
   m, s, v, r = 256, 7, 129280, 256
   spec = sd.SpeculatorDouble(max_num_reqs=m, num_steps=s, vocab=v, rank=r,
                              hidden=64, dtype=torch.bfloat16, device="cuda")
-  plain = _sampler(spec, buckets=(m,))
-  plain.warmup(spec)
-  [shape] = list(plain._impl._plans)  # pylint: disable=protected-access
-  assert native_plan.shape_config(shape, m).method == "mosaic", shape
+  fetch = _sampler(spec, buckets=(m,))
+  fetch.warmup(spec)
+  [shape] = list(fetch._impl._plans)  # pylint: disable=protected-access
+  cfg = native_plan.shape_config(shape, m)
+  assert cfg.method == "mosaic" and cfg.select_embed, cfg
   for table, key in ([(tuning.TABLE, k) for k in tuning.TABLE] +
                      [(tuning.GPU_TABLE, k) for k in tuning.GPU_TABLE]):
     if key[-4:] == ("mosaic", v, r, m):
       monkeypatch.setitem(table, key, dataclasses.replace(
-          table[key], select_embed=True))
+          table[key], select_embed=False))
   tuning.choose.cache_clear()
   try:
-    fetch = _sampler(spec, buckets=(m,))
-    fetch.warmup(spec)
-    assert native_plan.shape_config(shape, m).select_embed
+    plain = _sampler(spec, buckets=(m,))
+    plain.warmup(spec)
+    assert not native_plan.shape_config(shape, m).select_embed
     _assert_dependent_is_plain(spec, m - 3, fetch, plain, greedy=(0, 5))
   finally:
     tuning.choose.cache_clear()

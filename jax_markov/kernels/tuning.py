@@ -120,8 +120,14 @@ TABLE: dict[tuple[str, int, int, int], KernelConfig] = {
     # B = 256: 93-99 us against the Triton entry's 120 us; the JAX draft
     # 0.705 against 0.859 ms back to back (docs/perf-notes.md change 34),
     # the captured native draft 0.686 against 0.820 (change 36).
+    # Every Mosaic entry and the Mosaic rule take select_embed: the select
+    # pass writes the next step's embeddings, no embed_rows launch a step
+    # (captured native draft, Mosaic pass at B = 128, H100, T = 1: 0.5419
+    # against 0.5528 ms, seed_design_graph 0.677; the same tokens and cache
+    # bit for bit; docs/perf-notes.md change 53).
     ("mosaic", 129280, 256, 256): KernelConfig(
-        method="mosaic", block_b=128, block_v=64, num_stages=8),
+        method="mosaic", block_b=128, block_v=64, num_stages=8,
+        select_embed=True),
     ("xla_bias", 129280, 256, 1): KernelConfig(
         method="xla_bias", block_b=1, block_v=4096, block_k=64, num_warps=8,
         num_stages=1),
@@ -137,7 +143,8 @@ GPU_TABLE: dict[tuple[str, str, int, int, int], KernelConfig] = {
     # in two sessions on two machines (benchmarks/results/
     # tune-graph-fold*-nvidia-h100-dsv4.json; docs/perf-notes.md change 40).
     ("h100", "mosaic", 129280, 256, 256): KernelConfig(
-        method="mosaic", block_b=128, block_v=64, num_stages=4),
+        method="mosaic", block_b=128, block_v=64, num_stages=4,
+        select_embed=True),
     # B = 128 on the H200: the Mosaic pass, 4 proj chunks in flight, the
     # chunk statistics folded: 0.4257 ms against the Triton entry's 0.4528
     # and seed_design_graph's 0.5377 (captured native draft, T = 1;
@@ -145,7 +152,8 @@ GPU_TABLE: dict[tuple[str, str, int, int, int], KernelConfig] = {
     # docs/perf-notes.md change 49). On an H100 the Triton entry wins there
     # (0.511 against 0.553, results/mosaic-b128-nvidia-h100.json).
     ("h200", "mosaic", 129280, 256, 128): KernelConfig(
-        method="mosaic", block_b=128, block_v=64, num_stages=4),
+        method="mosaic", block_b=128, block_v=64, num_stages=4,
+        select_embed=True),
 }
 
 
@@ -204,7 +212,8 @@ def _mosaic_rule(batch: int, gpu: str | None = None) -> KernelConfig:
   # not fill 128-request ones: their chunk statistics take the chunk pass.
   return KernelConfig(method="mosaic", block_b=128 if batch % 128 == 0 else 64,
                       block_v=64,
-                      num_stages=4 if gpu_family(gpu) == "h100" else 0)
+                      num_stages=4 if gpu_family(gpu) == "h100" else 0,
+                      select_embed=True)
 
 
 # Shapes with no Mosaic GPU entry of their own take the Mosaic rule from
