@@ -173,6 +173,18 @@ def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                               prefetch_proj=0, prefetch_programs=0)
 
 
+def hints_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The table's fused tile with eviction hints and no kept rows (l2_hints):
+  base and the cache evict_first, then also proj evict_last; for a tile
+  without proj_l2_rows (which bring their own hints)."""
+  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if (cfg.method != "fused" or cfg.select == "persistent"
+      or cfg.proj_l2_rows):
+    return
+  for hints in ("stream", "proj"):
+    yield dataclasses.replace(cfg, l2_hints=hints)
+
+
 def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """Mosaic GPU block-pass tiles that run at this shape: 128- or 64-request
   tiles (a partial last tile where they do not divide B: partial_tiles), 64- or 128-column statistics blocks, the proj chunks in
@@ -411,7 +423,7 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
                  choices=("tiles", "partial", "remainder", "persistent",
-                          "mosaic", "embed", "l2", "rows",
+                          "mosaic", "embed", "l2", "hints", "rows",
                           "select", "early", "prefetch", "dependents",
                           "table"),
                  help="tiles: step-by-step tiles near the table's; "
@@ -425,7 +437,9 @@ def main(argv=None):
                  "Hopper); embed: the Mosaic entry with and without the "
                  "select pass writing the next embeddings "
                  "(embed_candidates); l2: the table's tile keeping proj rows in L2 "
-                 "(l2_candidates); rows: all of 2-8 requests in one "
+                 "(l2_candidates); hints: the table's tile with eviction "
+                 "hints on base and the cache, then on proj too "
+                 "(hints_candidates); rows: all of 2-8 requests in one "
                  "CUDA-core tile, a row each (rows_candidates); select: the table's tile with other "
                  "select-pass warps (select_candidates); early: the table's "
                  "tile loading proj chunks before the dependent-launch wait "
@@ -466,6 +480,7 @@ def main(argv=None):
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 embed=lambda _: embed_candidates(default),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
+                hints=lambda b: hints_candidates(b, shape.V, shape.R),
                 rows=lambda b: rows_candidates(b, shape.V, shape.R),
                 select=lambda b: select_candidates(b, shape.V, shape.R),
                 early=lambda b: early_candidates(b, shape.V, shape.R),

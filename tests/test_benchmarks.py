@@ -425,6 +425,11 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert all(c == dataclasses.replace(table, select_warps=c.select_warps)
                for c in cfgs)
   assert not list(tune_graph.select_candidates(1))  # the tail select
+  for batch in (4, 64, 128):  # the table's tile with each l2_hints
+    table = tuning.choose("fused", batch, 129280, 256, interpret=False)
+    assert list(tune_graph.hints_candidates(batch)) == [
+        dataclasses.replace(table, l2_hints=h) for h in ("stream", "proj")]
+  assert not list(tune_graph.hints_candidates(1))  # its kept rows' hints
   for batch in (1, 4, 64):  # the table's tile without L2 rows, 0-4 early
     cfgs = list(tune_graph.early_candidates(batch))
     table = tuning.choose("fused", batch, 129280, 256, interpret=False)

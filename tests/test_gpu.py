@@ -121,6 +121,27 @@ def test_proj_l2_rows_changes_nothing_at_deepseek_v4_shape(tile):
   assert_sample_drafts_agree(drafts[1], drafts[0], *args)
 
 
+@pytest.mark.parametrize("block_b,prefetch_proj,hints",
+                         [(64, 1, "stream"), (64, 0, "proj"),
+                          (16, 0, "proj")])
+def test_l2_hints_change_nothing_at_deepseek_v4_shape(block_b, prefetch_proj,
+                                                      hints):
+  """Eviction hints without kept rows (l2_hints: base and the cache
+  evict_first, proj evict_last with "proj") compile on the tensor-core
+  tiles of the table and give the draft of the same tile without them
+  (within float32 rounding: two compiled programs)."""
+  B = block_b
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=43, head_scale=0.1,
+                      temperature=np.arange(B) % 2 * 1.0)
+  drafts = [jm.sample_draft(*args, config=jm.KernelConfig(
+      method="fused", block_b=block_b, block_v=128, block_k=64, num_warps=4,
+      num_stages=3, prefetch_proj=prefetch_proj,
+      prefetch_programs=396 if prefetch_proj else 0, l2_hints=h))
+      for h in ("none", hints)]
+  assert_sample_drafts_agree(drafts[1], drafts[0], *args)
+
+
 @pytest.mark.parametrize("tile,early_proj,l2_rows",
                          [((16, 128, "mma"), 1, 0),
                           ((64, 128, "mma"), 2, 0),

@@ -354,6 +354,24 @@ def test_proj_l2_rows_changes_no_result(block_b, bias_dot, select, k_loop,
   _check_changing_rows(28, config)
 
 
+@pytest.mark.parametrize("block_b,bias_dot,select,hints,early_proj",
+                         [(16, "mma", "pass", "stream", 0),
+                          (16, "mma", "pass", "proj", 1),
+                          (1, "fma", "tail", "proj", 0),
+                          (4, "fma", "pass", "stream", 2)])
+def test_l2_hints_change_no_result(block_b, bias_dot, select, hints,
+                                   early_proj):
+  """Eviction hints without kept rows (l2_hints), also on the chunks loaded
+  ahead of the rank loop: the same draft as the reference, both layouts."""
+  args = make_problem(5, 3, 300, 80, seed=37)
+  config = jm.KernelConfig(method="fused", block_b=block_b, block_v=64,
+                           block_k=32, bias_dot=bias_dot, select=select,
+                           l2_hints=hints, early_proj=early_proj)
+  draft = jm.sample_draft(*args, config=config)
+  assert_sample_drafts_agree(draft, jm.reference.sample_draft(*args), *args)
+  _check_changing_rows(30, config)
+
+
 @pytest.mark.parametrize("block_b,bias_dot,select,k_loop,early_proj",
                          [(16, "mma", "pass", "fori", 1),
                           (16, "mma", "pass", "static", 2),

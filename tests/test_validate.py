@@ -96,6 +96,16 @@ def test_bad_method_and_config(args):
     xla_bias(block_v=128, select="tail")
   with pytest.raises(ValueError, match="proj_l2_rows must be >= 0"):
     fused(block_b=16, block_v=128, proj_l2_rows=-1)
+  # Eviction hints without kept rows: the fused pass step by step, not
+  # beside proj_l2_rows (its own hints).
+  assert fused(block_b=64, block_v=128, l2_hints="proj").l2_hints == "proj"
+  with pytest.raises(ValueError, match="l2_hints must be one of"):
+    fused(block_b=64, block_v=128, l2_hints="evict_first")
+  for bad in (dict(proj_l2_rows=128), dict(select="persistent")):
+    with pytest.raises(ValueError, match="l2_hints needs the fused method"):
+      fused(block_b=16, block_v=128, l2_hints="stream", **bad)
+  with pytest.raises(ValueError, match="l2_hints needs the fused method"):
+    xla_bias(block_v=128, l2_hints="stream")
   # The select writing the next embeddings: the Mosaic pass's only.
   assert jm.KernelConfig(method="mosaic", block_b=128, block_v=64,
                          select_embed=True).select_embed

@@ -244,7 +244,11 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   # With keep_blocks > 0, what a step reads or writes once (base, cache, the
   # rest of proj) leaves L2 first, so the first keep_blocks blocks of proj,
   # which every step reads again, stay there from one step to the next.
-  stream = "evict_first" if keep_blocks else None
+  stream = ("evict_first" if keep_blocks or config.l2_hints != "none"
+            else None)
+  # l2_hints="proj": every proj load evict_last, one static policy (no
+  # branch); else proj takes no hint unless keep_blocks picks one per program.
+  proj_hint = "evict_last" if config.l2_hints == "proj" else None
 
   def load_base(draw, b_mask):
     tile_mask = b_mask[:, None] & d_mask[None, :]
@@ -287,7 +291,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
 
     def by_policy(load):
       if keep is None:
-        return load(None)
+        return load(proj_hint)
       return jax.lax.cond(keep, lambda: load("evict_last"),
                           lambda: load("evict_first"))
 
@@ -312,7 +316,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                if config.prefetch_programs else True)
       sector = max(1, 32 // proj_ref.dtype.itemsize)
       touched = min(config.prefetch_proj, num_chunks) * block_k
-      warm = [load_proj(jnp.arange(0, touched, sector)[None, :], None,
+      warm = [load_proj(jnp.arange(0, touched, sector)[None, :], proj_hint,
                         d_cols[:, None], ahead)]
   # What follows reads or writes what earlier kernels of the draft write or
   # read, so its indices carry the wait's zero; base, written before the
@@ -384,7 +388,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
             keep, lambda accs: bias_loop(accs, "evict_last", rows, early),
             lambda accs: bias_loop(accs, "evict_first", rows, early),
             tuple(xs))
-      return bias_loop(tuple(xs), None, rows, early)
+      return bias_loop(tuple(xs), proj_hint, rows, early)
 
     rows = [(previous_rows(*t), t[2]) for t in zip(tiles, draws, masks)]
     xs = add_products(xs, rows, early)

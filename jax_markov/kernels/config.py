@@ -15,6 +15,7 @@ K_LOOPS = ("fori", "static")
 BIAS_DOTS = ("mma", "fma")
 SELECTS = ("pass", "tail", "persistent")
 REMAINDER_PASSES = ("joint", "after")
+L2_HINTS = ("none", "stream", "proj")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,6 +64,14 @@ class KernelConfig:
     proj_l2_rows: fused only: the first proj_l2_rows rows of proj stay in L2
       across the steps (an evict_last hint on their loads, evict_first on
       every other stream); 0: no cache hints.
+    l2_hints: fused, step by step, proj_l2_rows=0: eviction hints without
+      kept rows. "stream": base's loads and the cache's stores (each read or
+      written once a draft) evict_first, proj's loads no hint, so that L2
+      holds more of the proj blocks the step before read last, which the
+      next step reads first (serpentine); "proj": as "stream", and proj's
+      loads evict_last at every step (one static policy: no branch between
+      two rank loops as proj_l2_rows takes). "none": no hints
+      (docs/perf-notes.md change 54).
     fold_chunks: method="mosaic" with block_b = 128 only: each CTA walks one
       contiguous chunk of vocabulary blocks and its epilogue also reduces
       them to the chunk statistics the select pass reads, so there is no
@@ -149,11 +158,13 @@ class KernelConfig:
   remainder_pass: str = "joint"
   partial_tiles: bool = False
   select_embed: bool = False
+  l2_hints: str = "none"
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
                           ("bias_dot", BIAS_DOTS), ("select", SELECTS),
-                          ("remainder_pass", REMAINDER_PASSES)):
+                          ("remainder_pass", REMAINDER_PASSES),
+                          ("l2_hints", L2_HINTS)):
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -190,6 +201,13 @@ class KernelConfig:
     if self.proj_l2_rows < 0 or (self.proj_l2_rows and not fused):
       raise ValueError("proj_l2_rows must be >= 0 and needs the fused method, "
                        f"got {self.proj_l2_rows} (method={self.method!r})")
+    if self.l2_hints != "none" and not (
+        fused and self.select != "persistent" and self.proj_l2_rows == 0):
+      raise ValueError(
+          "l2_hints needs the fused method step by step with proj_l2_rows=0 "
+          f"(which brings its own hints), got l2_hints={self.l2_hints!r} with "
+          f"method={self.method!r}, select={self.select!r}, "
+          f"proj_l2_rows={self.proj_l2_rows}")
     if self.programs < 0 or (self.programs and self.select != "persistent"):
       raise ValueError("programs must be >= 0 and is for select='persistent', "
                        f"got {self.programs} with select={self.select!r}")
