@@ -163,7 +163,9 @@ def _pow2(n: int) -> int:
 def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """The table's fused tile with the first rows of proj kept in L2 across
   the steps (proj_l2_rows: evict_last on those rows, evict_first on every
-  other stream), as the B = 1 entry keeps 49152 rows (24 MB)."""
+  other stream), as the B = 1 entry keeps 57344 rows (28 MB); on the
+  tensor cores also the unrolled rank loop (k_loop="static") without and
+  with rows, the one form whose proj loads carry the hints."""
   cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
   if cfg.select == "persistent" or cfg.method != "fused":
     return
@@ -171,6 +173,16 @@ def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
     # The rows alone: early_proj beside them is the early grid's.
     yield dataclasses.replace(cfg, proj_l2_rows=rows, early_proj=0,
                               prefetch_proj=0, prefetch_programs=0)
+  if cfg.bias_dot == "mma":
+    # Triton pipelines the rank loop's proj loads as cp.async copies, which
+    # drop the eviction policy (read from the PTX: docs/perf-notes.md
+    # change 54), so on the tensor cores only the unrolled loop keeps the
+    # rows' evict_last: it, without rows (the control) and with them.
+    static = dataclasses.replace(cfg, k_loop="static", early_proj=0,
+                                 prefetch_proj=0, prefetch_programs=0)
+    yield static
+    for rows in (49152, 57344):
+      yield dataclasses.replace(static, proj_l2_rows=rows)
 
 
 def hints_candidates(batch: int, vocab: int = 129280, rank: int = 256):

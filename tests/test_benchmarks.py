@@ -484,8 +484,12 @@ def test_tune_graph_candidates_and_cpu_refusal():
       (128, one.proj_l2_rows, 0), (128, one.proj_l2_rows, 2), (128, 0, 0),
       (128, 0, 2), (64, 0, 2), (256, 0, 2)]
   for batch in (4, 64):  # the L2 rows alone, no loads ahead of the wait
-    assert all(c.proj_l2_rows and not (c.early_proj or c.prefetch_proj)
-               for c in tune_graph.l2_candidates(batch))
+    cfgs = list(tune_graph.l2_candidates(batch))
+    assert not any(c.early_proj or c.prefetch_proj for c in cfgs)
+    # then the unrolled rank loop (its proj loads keep their hints): the
+    # control without rows, then with them.
+    assert [(c.k_loop, bool(c.proj_l2_rows)) for c in cfgs] == (
+        [("fori", True)] * 5 + [("static", False)] + [("static", True)] * 2)
   if not torch.cuda.is_available():
     assert tune_graph.main(["--batches", "4"]) == 2
 

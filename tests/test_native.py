@@ -340,11 +340,13 @@ def _ptxas_registers(ptx: str, path) -> int:
 
 def test_l2_hints_keep_the_tiles_registers(tmp_path, monkeypatch):
   """l2_hints="stream" puts an L2 evict_first policy on base's loads and the
-  cache's stores of the B = 64 tile and costs no register: ptxas counts
-  those of the tile without hints (168: three programs a multiprocessor),
-  where proj_l2_rows, whose two rank loops one branch picks, takes more
-  (176: two; the B = 64 loss of docs/perf-notes.md change 54). Needs
-  triton (PTX, no GPU)."""
+  cache's stores of the B = 64 tile and costs no register and no shared
+  memory: ptxas counts the registers of the tile without hints, and
+  triton the same shared memory, where proj_l2_rows, whose two pipelined
+  rank loops one branch picks, takes more of both (at DeepSeek-V4: 176
+  registers against 168 and 144 KB against 72 KB, one program a
+  multiprocessor against three: the B = 64 loss of docs/perf-notes.md
+  change 54). Needs triton (PTX, no GPU)."""
   import dataclasses
   if not _TRITON:
     pytest.skip("needs triton to compile the kernel")
@@ -352,7 +354,7 @@ def test_l2_hints_keep_the_tiles_registers(tmp_path, monkeypatch):
   base = dataclasses.replace(native_plan.shape_config(shape, 64),
                              early_proj=0, prefetch_proj=0,
                              prefetch_programs=0)
-  ptxs, regs = {}, {}
+  ptxs, regs, smem = {}, {}, {}
   for name, cfg in (("none", base),
                     ("stream", dataclasses.replace(base, l2_hints="stream")),
                     ("rows", dataclasses.replace(base, proj_l2_rows=256))):
@@ -360,13 +362,14 @@ def test_l2_hints_keep_the_tiles_registers(tmp_path, monkeypatch):
     cache = native.IRCache(str(tmp_path / name))
     ir, path, _ = native_plan.lower_bucket(
         shape, 64, cache, (9, 0), dependent_launch=True)["block_pass"]
-    ptxs[name] = native.compile_kernel(ir, path, (9, 0),
-                                       launch_pdl=True).asm["ptx"]
+    kernel = native.compile_kernel(ir, path, (9, 0), launch_pdl=True)
+    ptxs[name], smem[name] = kernel.asm["ptx"], kernel.metadata.shared
     regs[name] = _ptxas_registers(ptxs[name], tmp_path / f"{name}.ptx")
   assert "evict_first" not in ptxs["none"]
   assert "createpolicy.fractional.L2::evict_first" in ptxs["stream"]
-  assert regs["stream"] == regs["none"], regs
+  assert (regs["stream"], smem["stream"]) == (regs["none"], smem["none"])
   assert regs["rows"] > regs["none"], regs
+  assert smem["rows"] > smem["none"], smem
 
 
 def test_prefetch_loads_come_before_the_wait_in_the_first_programs(

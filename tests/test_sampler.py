@@ -338,7 +338,8 @@ def test_fma_bias_agrees(block_b, block_v, block_k, k_loop):
      (1, "fma", "tail", "fori", 64, 0),
      (1, "fma", "pass", "static", 10_000, 0),
      (1, "fma", "tail", "fori", 64, 2),
-     (16, "mma", "pass", "fori", 100, 1)])
+     (16, "mma", "pass", "fori", 100, 1),
+     (16, "mma", "pass", "static", 100, 0)])
 def test_proj_l2_rows_changes_no_result(block_b, bias_dot, select, k_loop,
                                         proj_l2_rows, early_proj):
   """L2 hints that keep the first rows of proj in L2 across the steps (part
