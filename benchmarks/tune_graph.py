@@ -24,6 +24,7 @@ GPU (B = 256) times the Triton candidate and not the table's Mosaic entry.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -358,14 +359,11 @@ def captured_draft(shape, batch, inputs, temperature, dependent_launch=None,
   return graph, spec, hook
 
 
-def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
-                dependent_launch=None):
-  """Median ms of one captured draft with ``cfg`` in the table, and tokens."""
-  # The block pass's grid: sampling walks the V target columns, with a
-  # reduced vocabulary too.
-  key = (cfg.method, shape.V, shape.R,
-         tuning._batch_bucket(batch))  # noqa: SLF001
-  mosaic = cfg.method == "mosaic"
+@contextlib.contextmanager
+def table_entry(cfg: KernelConfig, vocab: int, rank: int, batch: int):
+  """``cfg`` as the tuning table's entry for the batch's bucket (of its
+  method), a per-GPU entry for the key set aside; restored after."""
+  key = (cfg.method, vocab, rank, tuning._batch_bucket(batch))  # noqa: SLF001
   old = tuning.TABLE.get(key)
   tuning.TABLE[key] = cfg
   # A per-GPU entry for the key would win over the candidate: set aside.
@@ -373,6 +371,23 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
              if k[1:] == key}
   tuning.choose.cache_clear()
   try:
+    yield
+  finally:
+    if old is None:
+      tuning.TABLE.pop(key, None)
+    else:
+      tuning.TABLE[key] = old
+    tuning.GPU_TABLE.update(per_gpu)
+    tuning.choose.cache_clear()
+
+
+def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
+                dependent_launch=None):
+  """Median ms of one captured draft with ``cfg`` in the table, and tokens."""
+  # The block pass's grid: sampling walks the V target columns, with a
+  # reduced vocabulary too.
+  mosaic = cfg.method == "mosaic"
+  with table_entry(cfg, shape.V, shape.R, batch):
     graph, spec, _ = captured_draft(shape, batch, inputs, temperature,
                                     dependent_launch, mosaic)
     for _ in range(5):
@@ -388,13 +403,6 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
       torch.cuda.synchronize()
       times.append(a.elapsed_time(b) / group)
     return statistics.median(times), spec.draft_tokens[:batch].tolist()
-  finally:
-    if old is None:
-      tuning.TABLE.pop(key, None)
-    else:
-      tuning.TABLE[key] = old
-    tuning.GPU_TABLE.update(per_gpu)
-    tuning.choose.cache_clear()
 
 
 def time_seed(shape, batch, inputs, temperature, repeats, group):

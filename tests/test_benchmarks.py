@@ -769,3 +769,45 @@ def test_bridge_rows_keep_their_hooks(tmp_path):
   samplers, specs = prep.keep
   assert len(samplers) == len(specs) == len(prep.calls) == 2
   assert all(isinstance(s, FusedMarkovSampler) for s in samplers)
+
+
+def test_occupancy_reads_registers_shared_memory_and_hints(tmp_path):
+  """benchmarks/occupancy.py compiles the native block pass for sm_90a on
+  the CPU: the programs a multiprocessor follow from the registers and
+  shared memory it reads, kept rows on the pipelined tensor-core loop take
+  more shared memory than the same tile without (two rank loops), and only
+  the unrolled loop carries their evict_last into the PTX."""
+  pytest.importorskip("torch")
+  pytest.importorskip("triton")
+  from benchmarks import common, occupancy
+  from jax_markov.kernels.config import KernelConfig
+  # The arithmetic alone (sm_90): 168 registers x 4 warps -> 3 programs;
+  # 72 KB -> 3; 63 registers and no shared memory -> 8.
+  assert occupancy.programs_per_sm(168, 73728, 4) == dict(
+      by_registers=3, by_shared=3, programs=3)
+  assert occupancy.programs_per_sm(63, 0, 4)["programs"] == 8
+  assert occupancy.parse_fields(["k_loop=static", "proj_l2_rows=64"]) == dict(
+      k_loop="static", proj_l2_rows=64)
+  with pytest.raises(ValueError, match="field=value"):
+    occupancy.parse_fields(["tile=64"])
+  shape = common.SHAPES["small"]  # R = 64: four rank chunks to pipeline
+  tile = KernelConfig(method="fused", block_b=16, block_v=128, block_k=16,
+                      num_warps=4, num_stages=3)
+  rows = {}
+  for name, cfg in (("plain", tile),
+                    ("rows", dataclasses.replace(tile, proj_l2_rows=256)),
+                    ("static", dataclasses.replace(tile, k_loop="static",
+                                                   proj_l2_rows=256))):
+    rows[name] = occupancy.block_pass_occupancy(shape, 4, cfg,
+                                                str(tmp_path / name))
+  plain = rows["plain"]
+  assert plain["grid_programs"] == 250  # cdiv(32000, 128) blocks, 1 tile
+  assert plain["programs"] == min(plain["by_registers"], plain["by_shared"])
+  assert plain["cp_async"] > 0 and plain["hinted"] == 0
+  assert rows["rows"]["shared_bytes"] > plain["shared_bytes"]
+  assert rows["rows"]["evict_last"] == 0  # cp.async drops the policy
+  assert rows["static"]["evict_last"] > 0 and rows["static"]["cp_async"] == 0
+  with pytest.raises(ValueError, match="method 'fused'"):
+    occupancy.block_pass_occupancy(
+        shape, 4, KernelConfig(method="xla_bias", block_b=1, block_v=128),
+        str(tmp_path / "xla"))
