@@ -170,7 +170,11 @@ def main(argv=None):
   with tempfile.TemporaryDirectory() as tmp:
     for batch in args.batches:
       cfg = tuning.choose("fused", batch, shape.V, shape.R, interpret=False)
-      cfg = dataclasses.replace(cfg, **fields)
+      try:
+        cfg = dataclasses.replace(cfg, **fields)
+      except ValueError as e:  # --set made the table's entry invalid here
+        print(f"B={batch:4d} skipped: {e}", flush=True)
+        continue
       row = block_pass_occupancy(shape, batch, cfg,
                                  os.path.join(tmp, str(batch)))
       rows.append(row)
