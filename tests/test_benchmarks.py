@@ -483,13 +483,19 @@ def test_tune_graph_candidates_and_cpu_refusal():
   assert [(c.block_v, c.proj_l2_rows, c.early_proj) for c in cfgs] == [
       (128, one.proj_l2_rows, 0), (128, one.proj_l2_rows, 2), (128, 0, 0),
       (128, 0, 2), (64, 0, 2), (256, 0, 2)]
-  for batch in (4, 64):  # the L2 rows alone, no loads ahead of the wait
+  cfgs = list(tune_graph.l2_candidates(1))  # CUDA cores: the rows alone
+  assert not any(c.early_proj or c.prefetch_proj for c in cfgs)
+  assert [(c.proj_l2_rows, c.proj_l2_keep) for c in cfgs] == [
+      (r, "load") for r in (16384, 32768, 49152, 57344, 65536)]
+  for batch in (4, 64):  # tensor cores: touched rows, then unrolled loops
+    table = tuning.choose("fused", batch, 129280, 256, interpret=False)
     cfgs = list(tune_graph.l2_candidates(batch))
-    assert not any(c.early_proj or c.prefetch_proj for c in cfgs)
-    # then the unrolled rank loop (its proj loads keep their hints): the
-    # control without rows, then with them.
-    assert [(c.k_loop, bool(c.proj_l2_rows)) for c in cfgs] == (
-        [("fori", True)] * 5 + [("static", False)] + [("static", True)] * 2)
+    assert not any(c.prefetch_proj for c in cfgs)
+    assert [(c.k_loop, c.proj_l2_rows, c.proj_l2_keep, c.early_proj)
+            for c in cfgs] == [
+                ("fori", r, "touch", table.early_proj)
+                for r in (32768, 49152, 57344)] + [
+                    ("static", 0, "load", 0), ("static", 57344, "load", 0)]
   if not torch.cuda.is_available():
     assert tune_graph.main(["--batches", "4"]) == 2
 
