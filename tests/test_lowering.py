@@ -105,6 +105,8 @@ CONFIGS = [
              early_proj=1), 2 * S),
     (_config(method="fused", block_b=16, block_v=128, block_k=32,
              l2_hints="proj"), 2 * S),
+    (_config(method="fused", block_b=16, block_v=128, block_k=32,
+             proj_l2_rows=256, proj_l2_keep="touch"), 2 * S),
     (_config(method="fused", block_b=1, block_v=128, block_k=64,
              bias_dot="fma", select="tail", early_proj=2), S),
     (_config(method="fused", block_b=1, block_v=128, block_k=64,

@@ -303,7 +303,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                           mask=b_mask[:, None] & d_mask[None, :], other=0)
 
   warm = []  # prefetched proj chunks (config.prefetch_proj)
-  touch, touched = False, None  # proj_l2_keep="touch"
+  touch, kept_touches = False, None  # proj_l2_keep="touch"
   if fused:
     proj_ref = ins["proj"]
 
@@ -430,7 +430,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       # Used only by the statistics' stores (kept_zero below), so the
       # touches' L2 round trip overlaps the epilogue's cache stores and
       # reductions instead of stalling before them.
-      touched = touch_kept_rows(
+      kept_touches = touch_kept_rows(
           load_proj, sector=max(1, 32 // proj_ref.dtype.itemsize), rank=rank,
           j=j, keep_blocks=keep_blocks, v_rows=v_rows,
           last_step=step_ref[0] == steps - 1)
@@ -441,8 +441,8 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
 
   def kept_zero():
     """0, formed from the touched proj values (proj_l2_keep="touch")."""
-    return 0 if touched is None else touched_zero(touched,
-                                                  interpret=interpret)
+    return (0 if kept_touches is None
+            else touched_zero(kept_touches, interpret=interpret))
 
   def epilogue(x, b_idx, draw, b_mask):
     """The tile's cache stores and block statistics (rows b_idx)."""
