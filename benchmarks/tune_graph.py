@@ -183,7 +183,7 @@ def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
       # The rows alone: early_proj beside them is the early grid's.
       yield dataclasses.replace(plain, proj_l2_rows=rows, early_proj=0)
     return
-  for rows in (32768, 49152, 57344):
+  for rows in (32768, 49152, 57344):  # the table's early chunks, if any
     yield dataclasses.replace(plain, proj_l2_rows=rows, proj_l2_keep="touch")
   static = dataclasses.replace(plain, k_loop="static", early_proj=0)
   yield static
