@@ -427,7 +427,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     rows = [(previous_rows(*t), t[2]) for t in zip(tiles, draws, masks)]
     xs = add_products(xs, rows, early)
     if touch:
-      # Used only by the statistics' stores (kept_zero below), so the
+      # Used only by the statistics' stores (after_touches below), so the
       # touches' L2 round trip overlaps the epilogue's cache stores and
       # reductions instead of stalling before them.
       kept_touches = touch_kept_rows(
@@ -439,10 +439,12 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
   if slots_ref is not None:
     xs = [jnp.where(d_mask[None, :], x, -jnp.inf) for x in xs]
 
-  def kept_zero():
-    """0, formed from the touched proj values (proj_l2_keep="touch")."""
-    return (0 if kept_touches is None
-            else touched_zero(kept_touches, interpret=interpret))
+  def after_touches(b_idx):
+    """b_idx + a zero formed from the touched proj values, with
+    proj_l2_keep="touch"; else b_idx itself (the kernel unchanged)."""
+    if kept_touches is None:
+      return b_idx
+    return b_idx + touched_zero(kept_touches, interpret=interpret)
 
   def epilogue(x, b_idx, draw, b_mask):
     """The tile's cache stores and block statistics (rows b_idx)."""
@@ -452,7 +454,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       y = jnp.where(x == x, x, -jnp.inf)
       y = jnp.where(v_mask[None, :], y, -jnp.inf)
       y_max = jnp.max(y, axis=1)
-      b_idx = b_idx + kept_zero()
+      b_idx = after_touches(b_idx)
       plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
       plgpu.store(barg_ref.at[b_idx, j], first_max_index(y, y_max) + v0,
                   mask=b_mask)
@@ -485,7 +487,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # statistics as one contiguous row (a column of [NB, B] is one 32-byte
     # sector per value); these stores are spread over all programs instead.
     # Masked requests' rows (b_idx >= B) are distinct and past the array.
-    b_idx = b_idx + kept_zero()
+    b_idx = after_touches(b_idx)
     plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
     plgpu.store(bsum_ref.at[b_idx, j], y_sum, mask=b_mask)
     plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
