@@ -33,40 +33,20 @@ import subprocess
 import sys
 import tempfile
 
-import torch
-
 from benchmarks import common
+from benchmarks.kernel_digest import CAPABILITY, NUM_SMS, draft_shape
 from benchmarks.tune_graph import table_entry
 from jax_markov.kernels import tuning
-from jax_markov.kernels.draw_params import ParamsLayout
 from torch_bridge import native, native_plan
 
-# sm_90 (H100, H200): a multiprocessor's 32-bit registers, allocated to a
-# warp in units of 256; its shared memory, less 1 KB the driver reserves a
-# program; its threads.
+# sm_90 (H100, H200; 132 multiprocessors, NUM_SMS): a multiprocessor's
+# 32-bit registers, allocated to a warp in units of 256; its shared memory,
+# less 1 KB the driver reserves a program; its threads.
 REGISTERS = 65536
 REGISTER_UNIT = 256
 SHARED_BYTES = 228 * 1024
 SHARED_RESERVED = 1024
 MAX_WARPS = 64
-NUM_SMS = 132
-CAPABILITY = (9, 0)
-
-
-def draft_shape(shape: common.Shape, batch: int) -> native_plan.DraftShape:
-  """The native runtime's DraftShape of a benchmark shape at one batch:
-  int32 index buffers, bf16, the full vocabulary, sampling."""
-  if shape.Vd is not None:
-    raise ValueError("occupancy reads the full-vocabulary block pass; "
-                     f"{shape.name} has a reduced draft vocabulary")
-  m, s = batch, shape.S
-  words = (("idx", m * s), ("pos", 2 * m * s), ("seeds", 2 * m),
-           ("ids", m * s + 4), ("anchor_idx", 2 * m))
-  return native_plan.DraftShape(
-      max_num_reqs=m, steps=s, vocab=shape.V, rank=shape.R,
-      vocab_in=shape.V, base_dtype=torch.bfloat16,
-      head_dtype=torch.bfloat16, temperature_dtype=torch.float32,
-      words=words, layout=ParamsLayout(idx_wide=False, pos_wide=True))
 
 
 def parse_fields(items: list[str]) -> dict:

@@ -817,3 +817,36 @@ def test_occupancy_reads_registers_shared_memory_and_hints(tmp_path):
     occupancy.block_pass_occupancy(
         shape, 4, KernelConfig(method="xla_bias", block_b=1, block_v=128),
         str(tmp_path / "xla"))
+
+
+def test_kernel_digest_names_the_kernels_a_bucket_launches(tmp_path,
+                                                           monkeypatch):
+  """benchmarks/kernel_digest.py: the same kernels give the same digests
+  (whatever the IR cache's directory), a changed configuration changes the
+  block pass's and nothing else, and the Mosaic GPU module is digested
+  without its source locations (they move with every edited line)."""
+  pytest.importorskip("torch")
+  from benchmarks import kernel_digest
+  from torch_bridge import native_plan
+  small = common.SHAPES["small"]
+  one, two = [kernel_digest.kernel_digests(
+      small, 4, str(tmp_path / name), gpu="", dependent_launch=True)
+              for name in ("a", "b")]
+  assert one == two
+  assert set(one) == {"block_pass", "draw_params", "select_pass"}
+  table = native_plan.shape_config(kernel_digest.draft_shape(small, 4), 4)
+  touched = dataclasses.replace(table, proj_l2_rows=256,
+                                proj_l2_keep="touch")
+  monkeypatch.setattr(native_plan, "shape_config", lambda *_: touched)
+  three = kernel_digest.kernel_digests(small, 4, str(tmp_path / "c"), gpu="",
+                                       dependent_launch=True)
+  assert {k for k in one if one[k] != three[k]} == {"block_pass"}
+  monkeypatch.undo()
+  # B = 128 on an H200 runs the Mosaic GPU pass (select_embed: embed_rows
+  # gathers step 0's embeddings), digested as text without locations.
+  kernels = kernel_digest.bucket_kernels(
+      common.SHAPES["dsv4"], 128, str(tmp_path / "m"), gpu="NVIDIA H200",
+      dependent_launch=False)
+  assert "mosaic_block_pass" in kernels and "block_pass" not in kernels
+  text = kernel_digest.mosaic_text(kernels["mosaic_block_pass"][0].module)
+  assert "mosaic_gpu" in text and "loc(" not in text
