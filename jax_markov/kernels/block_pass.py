@@ -176,9 +176,11 @@ def touch_kept_rows(load_proj, *, sector: int, rank: int, j,
   or evict_first at the last step so that the draft leaves nothing pinned.
   Programs of other blocks mask every touch off (no memory access).
 
-  Returns the touched values: two [block_v, ceil(rank / sector)] tiles.
+  Returns the touched values: two [block_v, next_pow2(ceil(rank / sector))]
+  tiles (Triton tiles are powers of two; load_proj masks columns >= rank).
   """
-  k_cols = jnp.arange(0, rank, sector)[None, :]
+  k_cols = (jnp.arange(pl.next_power_of_2(pl.cdiv(rank, sector)))
+            * sector)[None, :]
   kept = j < keep_blocks
   return (load_proj(k_cols, "evict_last", v_rows, kept & ~last_step),
           load_proj(k_cols, "evict_first", v_rows, kept & last_step))
