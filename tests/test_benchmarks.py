@@ -850,3 +850,34 @@ def test_kernel_digest_names_the_kernels_a_bucket_launches(tmp_path,
   assert "mosaic_block_pass" in kernels and "block_pass" not in kernels
   text = kernel_digest.mosaic_text(kernels["mosaic_block_pass"][0].module)
   assert "mosaic_gpu" in text and "loc(" not in text
+
+
+def test_gpu_queue_runs_steps_in_order_within_its_budget(tmp_path):
+  # benchmarks/gpu_queue.sh: each step's log, its exit status, a step the
+  # budget would cut below 30 s skipped, a name filter; no GPU involved.
+  import subprocess
+  queue = tmp_path / "queue.txt"
+  queue.write_text("# a comment\n"
+                   "first 20 echo one; echo $OUT > $OUT/where\n"
+                   "failing 20 exit 3\n"
+                   "slow 2 sleep 20\n"
+                   "cut 1000 sleep 20\n")
+  out = tmp_path / "out"
+  script = os.path.join(os.path.dirname(__file__), "..", "benchmarks",
+                        "gpu_queue.sh")
+  # LIMIT 25: "cut" would get at most 18 s, below 30, so it is skipped.
+  env = dict(os.environ, OUT=str(out), LIMIT="25")
+  subprocess.run(["bash", script, str(queue)], env=env, check=True,
+                 capture_output=True, timeout=60)
+  steps = (out / "steps.txt").read_text().splitlines()
+  assert [s.split()[:2] for s in steps] == [
+      ["first", "rc=0"], ["failing", "rc=3"], ["slow", "rc=124"],
+      ["cut", "skipped"]]
+  assert (out / "first.log").read_text() == "one\n"
+  assert (out / "where").read_text().strip() == str(out)
+  out2 = tmp_path / "out2"
+  env = dict(os.environ, OUT=str(out2), LIMIT="25")
+  subprocess.run(["bash", script, str(queue), "^fail"], env=env, check=True,
+                 capture_output=True, timeout=60)
+  assert [s.split()[0] for s in
+          (out2 / "steps.txt").read_text().splitlines()] == ["failing"]
