@@ -163,31 +163,25 @@ def _pow2(n: int) -> int:
 
 def l2_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """The table's fused tile with the first rows of proj kept in L2 across
-  the steps (proj_l2_rows), as the B = 1 entry keeps 57344 rows (28 MB).
-
-  On the CUDA cores the rows' evict_last is on the rank loop's own loads
-  (proj_l2_keep="load"). On the tensor cores Triton pipelines those loads
-  as cp.async copies, which drop the policy (read from the PTX:
-  docs/perf-notes.md change 54), and the two pipelined loops the branch
-  needs double the tile's shared memory (change 46's loss): there the rows
-  are touched after one unhinted loop ("touch", change 55, with the table's
-  early chunks), and the unrolled loop (k_loop="static", whose loads keep
-  their hints) is timed without rows (its control) and with them.
-  """
+  the steps (proj_l2_rows: evict_last on those rows, evict_first on every
+  other stream), as the B = 1 entry keeps 57344 rows (28 MB); on the
+  tensor cores also the unrolled rank loop (k_loop="static") without and
+  with rows, the one form whose proj loads carry the hints (Triton's
+  pipelined loop issues cp.async copies, which drop the policy:
+  docs/perf-notes.md changes 54-56)."""
   cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
   if cfg.select == "persistent" or cfg.method != "fused":
     return
-  plain = dataclasses.replace(cfg, prefetch_proj=0, prefetch_programs=0)
-  if cfg.bias_dot == "fma":
-    for rows in (16384, 32768, 49152, 57344, 65536):
-      # The rows alone: early_proj beside them is the early grid's.
-      yield dataclasses.replace(plain, proj_l2_rows=rows, early_proj=0)
-    return
-  for rows in (32768, 49152, 57344):  # the table's early chunks, if any
-    yield dataclasses.replace(plain, proj_l2_rows=rows, proj_l2_keep="touch")
-  static = dataclasses.replace(plain, k_loop="static", early_proj=0)
-  yield static
-  yield dataclasses.replace(static, proj_l2_rows=57344)
+  for rows in (16384, 32768, 49152, 57344, 65536):
+    # The rows alone: early_proj beside them is the early grid's.
+    yield dataclasses.replace(cfg, proj_l2_rows=rows, early_proj=0,
+                              prefetch_proj=0, prefetch_programs=0)
+  if cfg.bias_dot == "mma":
+    static = dataclasses.replace(cfg, k_loop="static", early_proj=0,
+                                 prefetch_proj=0, prefetch_programs=0)
+    yield static
+    for rows in (49152, 57344):
+      yield dataclasses.replace(static, proj_l2_rows=rows)
 
 
 def hints_candidates(batch: int, vocab: int = 129280, rank: int = 256):

@@ -339,7 +339,7 @@ def _ptxas_registers(ptx: str, path) -> int:
 
 
 def test_l2_hints_keep_the_tiles_registers(tmp_path, monkeypatch):
-  """l2_hints="stream" (and kept rows touched after the loop) puts an L2 evict_first policy on base's loads and the
+  """l2_hints="stream" puts an L2 evict_first policy on base's loads and the
   cache's stores of the B = 64 tile and costs no register and no shared
   memory: ptxas counts the registers of the tile without hints, and
   triton the same shared memory, where proj_l2_rows, whose two pipelined
@@ -357,9 +357,7 @@ def test_l2_hints_keep_the_tiles_registers(tmp_path, monkeypatch):
   ptxs, regs, smem = {}, {}, {}
   for name, cfg in (("none", base),
                     ("stream", dataclasses.replace(base, l2_hints="stream")),
-                    ("rows", dataclasses.replace(base, proj_l2_rows=256)),
-                    ("touch", dataclasses.replace(base, proj_l2_rows=256,
-                                                  proj_l2_keep="touch"))):
+                    ("rows", dataclasses.replace(base, proj_l2_rows=256))):
     monkeypatch.setattr(native_plan, "shape_config", lambda *_, c=cfg: c)
     cache = native.IRCache(str(tmp_path / name))
     ir, path, _ = native_plan.lower_bucket(
@@ -372,15 +370,6 @@ def test_l2_hints_keep_the_tiles_registers(tmp_path, monkeypatch):
   assert (regs["stream"], smem["stream"]) == (regs["none"], smem["none"])
   assert regs["rows"] > regs["none"], regs
   assert smem["rows"] > smem["none"], smem
-  # proj_l2_keep="touch": one pipelined loop (the tile's shared memory and
-  # cp.async copies), then evict_last touches, which the copies' evict_last
-  # in "rows" never reaches (they carry no policy).
-  assert smem["touch"] == smem["none"], smem
-  assert regs["touch"] <= regs["none"], regs
-  assert "createpolicy.fractional.L2::evict_last" in ptxs["touch"]
-  copies = [p.count("cp.async.cg.shared.global") for p in
-            (ptxs["none"], ptxs["touch"])]
-  assert copies[0] == copies[1] > 0, copies
 
 
 def test_prefetch_loads_come_before_the_wait_in_the_first_programs(

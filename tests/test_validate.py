@@ -96,13 +96,6 @@ def test_bad_method_and_config(args):
     xla_bias(block_v=128, select="tail")
   with pytest.raises(ValueError, match="proj_l2_rows must be >= 0"):
     fused(block_b=16, block_v=128, proj_l2_rows=-1)
-  # How kept rows get their evict_last: only with kept rows.
-  assert fused(block_b=16, block_v=128, proj_l2_rows=128,
-               proj_l2_keep="touch").proj_l2_keep == "touch"
-  with pytest.raises(ValueError, match="proj_l2_keep must be one of"):
-    fused(block_b=16, block_v=128, proj_l2_rows=128, proj_l2_keep="later")
-  with pytest.raises(ValueError, match="is for kept rows"):
-    fused(block_b=16, block_v=128, proj_l2_keep="touch")
   # Eviction hints without kept rows: the fused pass step by step, not
   # beside proj_l2_rows (its own hints).
   assert fused(block_b=64, block_v=128, l2_hints="proj").l2_hints == "proj"

@@ -167,42 +167,10 @@ def bias_chunk(acc, emb, proj, *, bias_dot: str, precision):
                                    preferred_element_type=jnp.float32)
 
 
-def touch_kept_rows(load_proj, *, sector: int, rank: int, j,
-                    keep_blocks: int, v_rows, last_step):
-  """proj_l2_keep="touch": sets the L2 policy of a kept block's proj tile.
-
-  After the rank loop the tile is in L2; one element of each sector (the
-  unit DRAM fills L2 with; `sector` elements) is loaded again, evict_last,
-  or evict_first at the last step so that the draft leaves nothing pinned.
-  Programs of other blocks mask every touch off (no memory access).
-
-  Returns the touched values: two [block_v, next_pow2(ceil(rank / sector))]
-  tiles (Triton tiles are powers of two; load_proj masks columns >= rank).
-  """
-  k_cols = (jnp.arange(pl.next_power_of_2(pl.cdiv(rank, sector)))
-            * sector)[None, :]
-  kept = j < keep_blocks
-  return (load_proj(k_cols, "evict_last", v_rows, kept & ~last_step),
-          load_proj(k_cols, "evict_first", v_rows, kept & last_step))
-
-
-def touched_zero(touched, *, interpret: bool):
-  """An int32 zero that depends on every touched value (so they are loaded).
-
-  On the GPU inline PTX (opaque to the compiler); the interpreter, which
-  has no PTX, takes a zero formed arithmetically.
-  """
-  value = functools.reduce(jnp.maximum, [jnp.max(t.astype(jnp.float32))
-                                         for t in touched])
-  if not interpret:
-    return dependent_launch_module.zero_after(value)
-  return jnp.where(jnp.isfinite(value), value * 0, 0).astype(jnp.int32)
-
-
 def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                        steps: int, vocab: int, rank: int, keep_blocks: int,
                        remainder_rows: int, precision, no_cache: bool,
-                       dependent_launch: bool, interpret: bool):
+                       dependent_launch: bool):
   fused = config.fused
   block_b, block_v, block_k = config.block_b, config.block_v, config.block_k
   bias_dot = config.bias_dot
@@ -305,7 +273,6 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                           mask=b_mask[:, None] & d_mask[None, :], other=0)
 
   warm = []  # prefetched proj chunks (config.prefetch_proj)
-  touch, kept_touches = False, None  # proj_l2_keep="touch"
   if fused:
     proj_ref = ins["proj"]
 
@@ -321,12 +288,9 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # takes one branch.
     keep = ((j < keep_blocks) & (step_ref[0] < steps - 1) if keep_blocks
             else None)
-    # proj_l2_keep="touch": the kept blocks' policy is set after the rank
-    # loop (touch_kept_rows), so the loop itself is the one without hints.
-    touch = keep_blocks and config.proj_l2_keep == "touch"
 
     def by_policy(load):
-      if keep is None or touch:
+      if keep is None:
         return load(proj_hint)
       return jax.lax.cond(keep, lambda: load("evict_last"),
                           lambda: load("evict_first"))
@@ -417,7 +381,7 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       # The base tile is the accumulator's initial value: no second
       # [block_b, block_v] float32 tile stays live across the rank loop
       # (168 -> 128 registers at 64 x 128; docs/perf-notes.md).
-      if keep_blocks and not touch:
+      if keep_blocks:
         # At the last step the kept blocks are read evict_first too: the
         # draft leaves nothing pinned behind it.
         return jax.lax.cond(
@@ -428,25 +392,10 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
 
     rows = [(previous_rows(*t), t[2]) for t in zip(tiles, draws, masks)]
     xs = add_products(xs, rows, early)
-    if touch:
-      # Used only by the statistics' stores (after_touches below), so the
-      # touches' L2 round trip overlaps the epilogue's cache stores and
-      # reductions instead of stalling before them.
-      kept_touches = touch_kept_rows(
-          load_proj, sector=max(1, 32 // proj_ref.dtype.itemsize), rank=rank,
-          j=j, keep_blocks=keep_blocks, v_rows=v_rows,
-          last_step=step_ref[0] == steps - 1)
   else:
     xs = [add_bias(*t) for t in zip(xs, tiles, masks)]
   if slots_ref is not None:
     xs = [jnp.where(d_mask[None, :], x, -jnp.inf) for x in xs]
-
-  def after_touches(b_idx):
-    """b_idx + a zero formed from the touched proj values, with
-    proj_l2_keep="touch"; else b_idx itself (the kernel unchanged)."""
-    if kept_touches is None:
-      return b_idx
-    return b_idx + touched_zero(kept_touches, interpret=interpret)
 
   def epilogue(x, b_idx, draw, b_mask):
     """The tile's cache stores and block statistics (rows b_idx)."""
@@ -456,7 +405,6 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
       y = jnp.where(x == x, x, -jnp.inf)
       y = jnp.where(v_mask[None, :], y, -jnp.inf)
       y_max = jnp.max(y, axis=1)
-      b_idx = after_touches(b_idx)
       plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
       plgpu.store(barg_ref.at[b_idx, j], first_max_index(y, y_max) + v0,
                   mask=b_mask)
@@ -489,7 +437,6 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
     # statistics as one contiguous row (a column of [NB, B] is one 32-byte
     # sector per value); these stores are spread over all programs instead.
     # Masked requests' rows (b_idx >= B) are distinct and past the array.
-    b_idx = after_touches(b_idx)
     plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
     plgpu.store(bsum_ref.at[b_idx, j], y_sum, mask=b_mask)
     plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
@@ -730,7 +677,7 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
       _block_pass_kernel, config=config, batch=batch, steps=num_steps,
       vocab=vocab, rank=rank, keep_blocks=keep_blocks,
       remainder_rows=remainder_rows, precision=precision, no_cache=no_cache,
-      dependent_launch=dependent_launch, interpret=interpret)
+      dependent_launch=dependent_launch)
   out = named_call(
       kernel, {name: given[name] for name in INPUTS}, outputs,
       aliased=ALIASED,

@@ -16,7 +16,6 @@ BIAS_DOTS = ("mma", "fma")
 SELECTS = ("pass", "tail", "persistent")
 REMAINDER_PASSES = ("joint", "after")
 L2_HINTS = ("none", "stream", "proj")
-L2_KEEPS = ("load", "touch")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -64,20 +63,13 @@ class KernelConfig:
       streams every step); 0: none.
     proj_l2_rows: fused only: the first proj_l2_rows rows of proj stay in L2
       across the steps (an evict_last hint on their loads, evict_first on
-      every other stream); 0: no cache hints.
-    proj_l2_keep: with proj_l2_rows, how the kept rows get their evict_last.
-      "load": on the rank loop's own proj loads, a branch between two rank
-      loops (one a policy). That reaches the memory only where the loads are
-      plain ld.global (the CUDA-core tile, k_loop="static"): Triton turns a
-      pipelined loop's loads into cp.async copies, which carry no policy,
-      and the two pipelined loops double the tile's shared memory.
-      "touch": one rank loop with no hint; after it, a program of a kept
-      block loads again one element of each 32-byte sector of its proj tile
-      (now in L2) with evict_last, evict_first at the last step (an access
-      sets the priority of what it touches; the copies before it set
-      evict_normal). The touched values only feed a zero added to the
-      statistics' indices, so they cost no registers through the loop
-      (docs/perf-notes.md change 55).
+      every other stream); 0: no cache hints. The hint reaches the memory
+      only where the proj loads are plain ld.global (the CUDA-core tile,
+      k_loop="static"): Triton turns a pipelined loop's loads into cp.async
+      copies, which carry no policy, and the branch between two pipelined
+      loops doubles the tile's shared memory (docs/perf-notes.md changes 54
+      to 56; touching the kept tile again after the loop, change 55, was
+      12-21% slower on the H200 and is not kept).
     l2_hints: fused, step by step, proj_l2_rows=0: eviction hints without
       kept rows. "stream": base's loads and the cache's stores (each read or
       written once a draft) evict_first, proj's loads no hint, so that L2
@@ -173,14 +165,12 @@ class KernelConfig:
   partial_tiles: bool = False
   select_embed: bool = False
   l2_hints: str = "none"
-  proj_l2_keep: str = "load"
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
                           ("bias_dot", BIAS_DOTS), ("select", SELECTS),
                           ("remainder_pass", REMAINDER_PASSES),
-                          ("l2_hints", L2_HINTS),
-                          ("proj_l2_keep", L2_KEEPS)):
+                          ("l2_hints", L2_HINTS)):
       value = getattr(self, name)
       if value not in allowed:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
@@ -217,10 +207,6 @@ class KernelConfig:
     if self.proj_l2_rows < 0 or (self.proj_l2_rows and not fused):
       raise ValueError("proj_l2_rows must be >= 0 and needs the fused method, "
                        f"got {self.proj_l2_rows} (method={self.method!r})")
-    if self.proj_l2_keep != "load" and not self.proj_l2_rows:
-      raise ValueError(
-          f"proj_l2_keep={self.proj_l2_keep!r} is for kept rows "
-          f"(proj_l2_rows > 0), got proj_l2_rows={self.proj_l2_rows}")
     if self.l2_hints != "none" and not (
         fused and self.select != "persistent" and self.proj_l2_rows == 0):
       raise ValueError(
