@@ -202,7 +202,8 @@ def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   flight as many as fit (num_stages 0) or 4, and with 128-request tiles the
   chunk statistics folded into the pass's epilogue or left to the chunk
   pass (fold_chunks); what does not fit in shared memory
-  (mosaic_block_pass.plan) is left out."""
+  (mosaic_block_pass.plan) is left out. Each takes select_embed (the select
+  pass writes the next step's embeddings), as the table's Mosaic entries."""
   from jax_markov.kernels import mosaic_block_pass as mbp
   for bb in (128, 64):
     # A batch that does not fill the tiles: the last one partial
@@ -221,9 +222,10 @@ def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
         except ValueError:
           continue
         for fold in ((True, False) if bb == 128 else (True,)):
+          # select_embed: as every Mosaic entry and the rule (change 53).
           yield KernelConfig(method="mosaic", block_b=bb, block_v=bv,
                              num_stages=stages, fold_chunks=fold,
-                             partial_tiles=partial)
+                             partial_tiles=partial, select_embed=True)
 
 
 def embed_candidates(table: KernelConfig):
