@@ -340,13 +340,24 @@ def test_choose_picks_mosaic_only_where_asked_and_it_runs():
   V, R = DSV4["V"], DSV4["R"]
   choose = tuning.choose
   assert choose(None, 256, V, R, interpret=False, hopper=True).method == "mosaic"
-  # Not on other GPUs, not in the interpreter, not where B leaves a
-  # request tile partly empty, not at batches the table leaves to Triton.
+  # Not on other GPUs, not in the interpreter, not where the last request
+  # tile cannot be partial (B not a multiple of 4), not at batches the
+  # table leaves to Triton.
   assert choose(None, 256, V, R, interpret=False).method == "fused"
   assert choose(None, 256, V, R, interpret=True, hopper=True).method == "fused"
-  assert choose(None, 200, V, R, interpret=False, hopper=True).method == "fused"
-  assert choose(None, 136, V, R, interpret=False, hopper=True).method == "fused"
+  assert choose(None, 137, V, R, interpret=False, hopper=True).method == "fused"
+  assert choose(None, 202, V, R, interpret=False, hopper=True).method == "fused"
   assert choose(None, 64, V, R, interpret=False, hopper=True).method == "fused"
+  assert choose(None, 72, V, R, interpret=False, hopper=True).method == "fused"
+  # B = 136 and 200 fill neither tile: the rule's 64-request tiles with a
+  # partial last one, as many proj chunks in flight as fit, on the H100 too
+  # (perf-notes change 57).
+  for b in (136, 200):
+    for gpu in (None, "NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+      rule = choose(None, b, V, R, interpret=False, hopper=True, gpu=gpu)
+      assert (rule.method, rule.block_b, rule.num_stages, rule.partial_tiles,
+              rule.select_embed) == ("mosaic", 64, 0, True, True)
+    assert choose(None, b, V, R, interpret=False).method == "fused"
   # B = 192 does not fill 128-request tiles: the rule's 64-request tiles.
   b192 = choose(None, 192, V, R, interpret=False, hopper=True,
                 gpu="NVIDIA H100 80GB HBM3")
@@ -363,6 +374,9 @@ def test_choose_picks_mosaic_only_where_asked_and_it_runs():
     assert (h100.method, h100.num_stages) == ("mosaic", 4)
     b192 = choose(None, 192, vocab, R, interpret=False, hopper=True)
     assert (b192.method, b192.block_b) == ("mosaic", 64)
+    b200 = choose(None, 200, vocab, R, interpret=False, hopper=True)
+    assert (b200.method, b200.block_b, b200.partial_tiles) == (
+        "mosaic", 64, True)
     assert choose(None, 256, vocab, R, interpret=False).method == "fused"
     assert choose(None, 128, vocab, R, interpret=False,
                   hopper=True).method == "fused"

@@ -210,23 +210,35 @@ def _mosaic_rule(batch: int, gpu: str | None = None) -> KernelConfig:
   # The H100 keeps 4 proj chunks in flight, as its DeepSeek-V4 entry does
   # (GPU_TABLE); elsewhere as many as fit. 64-request tiles where B does
   # not fill 128-request ones: their chunk statistics take the chunk pass.
+  # B that fills neither (B = 136, 200): a partial last 64-request tile,
+  # as many chunks in flight as fit on every GPU (H100, captured native
+  # draft, T = 1: B = 136 0.5772 ms, B = 200 0.7025, against 0.5713 /
+  # 0.7263 with 4 chunks and the Triton pass's 0.6137 / 0.8129; docs/
+  # perf-notes.md change 57).
+  partial = batch % 64 != 0
   return KernelConfig(method="mosaic", block_b=128 if batch % 128 == 0 else 64,
                       block_v=64,
-                      num_stages=4 if gpu_family(gpu) == "h100" else 0,
-                      select_embed=True)
+                      num_stages=(4 if gpu_family(gpu) == "h100"
+                                  and not partial else 0),
+                      select_embed=True, partial_tiles=partial)
 
 
 # Shapes with no Mosaic GPU entry of their own take the Mosaic rule from
-# this batch bucket up, where B fills 64- or 128-request tiles and the shape
-# tiles (docs/perf-notes.md change 41: at B = 256 the Triton pass is bound
-# by L2 traffic at every vocabulary; change 47: B = 192 on 64-request
-# tiles). A batch in the bucket that fills neither (B = 136) stays on the
-# Triton pass, whose 64-request tiles take a partial last tile.
+# this batch bucket up, where the shape tiles (docs/perf-notes.md change 41:
+# at B = 256 the Triton pass is bound by L2 traffic at every vocabulary;
+# change 47: B = 192 on 64-request tiles), and so does a batch of the bucket
+# that fills neither 128- nor 64-request tiles where the last tile can be
+# partial (B >= 64, a multiple of 4; change 57: B = 136 and 200 1.24x and
+# 1.31x seed_design_graph on an H100 against the Triton pass's 1.16x and
+# 1.13x). Other batches (B = 137) stay on the Triton pass, whose request
+# tiles take any batch.
 MOSAIC_RULE_FROM = 256
 
 
 def _mosaic_rule_applies(batch: int, vocab: int, rank: int) -> bool:
-  return (_batch_bucket(batch) >= MOSAIC_RULE_FROM and batch % 64 == 0
+  # Every B of the bucket is >= 129: a multiple of 4 fills 64-request
+  # tiles or takes a partial last one.
+  return (_batch_bucket(batch) >= MOSAIC_RULE_FROM and batch % 4 == 0
           and vocab % 64 == 0 and rank % 64 == 0)
 
 
@@ -257,7 +269,8 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
         and _mosaic_rule_applies(batch, vocab, rank)):
       # B = 192 does not fill the 256 bucket's 128-request tiles: the
       # rule's 64-request tiles, 1.31x seed_design_graph against the Triton
-      # pass's 1.26x on an H100 (docs/perf-notes.md change 47).
+      # pass's 1.26x on an H100 (docs/perf-notes.md change 47); B = 136 and
+      # 200 on them with a partial last tile (change 57).
       entry = _mosaic_rule(batch, gpu)
     if (hopper and not interpret and entry is not None
         and (batch % entry.block_b == 0
