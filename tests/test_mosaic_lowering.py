@@ -254,6 +254,20 @@ def test_sampler_lowers_mosaic_block_pass_and_triton_select(B, block_b,
       0 if chunk_passes == 0 else 1)
 
 
+@pytest.mark.parametrize("B", [136, 200])
+def test_sampler_lowers_the_rules_partial_tiles(B):
+  """B = 136 and 200 fill neither request tile: the rule's choice (64
+  requests a tile, the last partial, select_embed) lowers in the JAX
+  sampler as a Mosaic pass and a chunk pass a step (perf-notes change 57)."""
+  config = tuning.choose(None, B, DSV4["V"], DSV4["R"], interpret=False,
+                         hopper=True)
+  assert (config.method, config.block_b, config.partial_tiles) == (
+      "mosaic", 64, True)
+  text = _sampler_text(B, DSV4["V"], DSV4["R"], DSV4["S"], config)
+  assert text.count("stablehlo.custom_call @mosaic_gpu") == 2
+  assert text.count("call @chunk_pass(") == DSV4["S"]
+
+
 def test_sampler_with_select_embed_gathers_at_step_0_only():
   """select_embed: the select pass writes the next step's embeddings, so
   XLA gathers embed rows for step 0 only (the anchors') instead of every
