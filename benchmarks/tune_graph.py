@@ -37,6 +37,7 @@ from benchmarks import common  # noqa: E402
 from benchmarks.baselines.vllm_loop import capture_graph  # noqa: E402
 from jax_markov.kernels import tuning  # noqa: E402
 from jax_markov.kernels.config import KernelConfig  # noqa: E402
+from torch_bridge import native_plan  # noqa: E402
 from torch_bridge.testing import speculator_from_tensors  # noqa: E402
 
 
@@ -381,15 +382,30 @@ def table_entry(cfg: KernelConfig, vocab: int, rank: int, batch: int):
     tuning.choose.cache_clear()
 
 
+def planned_config(hook, batch: int) -> KernelConfig:
+  """The configuration the hook's native runtime planned for ``batch``: not
+  always the table entry a sweep set (a Mosaic entry whose request tiles
+  the batch does not fill yields to the Mosaic rule or the Triton pass;
+  tuning.choose), so a row records what ran."""
+  if hook.runtime != "native":
+    raise RuntimeError(f"the hook runs {hook.runtime!r}: {hook.runtime_reason}")
+  shapes = list(hook._impl._plans)  # noqa: SLF001 -- one draft shape here
+  if len(shapes) != 1:
+    raise RuntimeError(f"expected one planned draft shape, got {len(shapes)}")
+  return native_plan.shape_config(shapes[0], batch)
+
+
 def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
                 dependent_launch=None):
-  """Median ms of one captured draft with ``cfg`` in the table, and tokens."""
+  """Median ms of one captured draft with ``cfg`` in the table, its tokens
+  and the configuration that ran (:func:`planned_config`)."""
   # The block pass's grid: sampling walks the V target columns, with a
   # reduced vocabulary too.
   mosaic = cfg.method == "mosaic"
   with table_entry(cfg, shape.V, shape.R, batch):
-    graph, spec, _ = captured_draft(shape, batch, inputs, temperature,
-                                    dependent_launch, mosaic)
+    graph, spec, hook = captured_draft(shape, batch, inputs, temperature,
+                                       dependent_launch, mosaic)
+    ran = planned_config(hook, batch)
     for _ in range(5):
       graph.replay()
     times = []
@@ -402,7 +418,7 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
       b.record()
       torch.cuda.synchronize()
       times.append(a.elapsed_time(b) / group)
-    return statistics.median(times), spec.draft_tokens[:batch].tolist()
+    return statistics.median(times), spec.draft_tokens[:batch].tolist(), ran
 
 
 def time_seed(shape, batch, inputs, temperature, repeats, group):
@@ -531,9 +547,9 @@ def main(argv=None):
       seen.append(cfg)
       for dependent in launches:
         try:
-          ms, tokens = time_config(shape, batch, cfg, inputs,
-                                   args.temperature, args.repeats, args.group,
-                                   dependent)
+          ms, tokens, ran = time_config(shape, batch, cfg, inputs,
+                                        args.temperature, args.repeats,
+                                        args.group, dependent)
         except Exception as e:  # noqa: BLE001 -- a tile that does not build
           print(f"B={batch} {cfg}: {type(e).__name__}: {e}"[:300],
                 flush=True)
@@ -541,15 +557,18 @@ def main(argv=None):
         if ref_tokens is None:
           ref_tokens = tokens
         agree = tokens == ref_tokens
-        rows.append(dict(shape=shape.name, batch=batch, ms=ms,
-                         default=cfg == default, tokens_agree=agree,
-                         dependent_launch=dependent,
-                         config=dataclasses.asdict(cfg)))
+        row = dict(shape=shape.name, batch=batch, ms=ms,
+                   default=cfg == default, tokens_agree=agree,
+                   dependent_launch=dependent, config=dataclasses.asdict(ran))
+        if ran != cfg:  # the hook ran another configuration than asked
+          row["asked"] = dataclasses.asdict(cfg)
+        rows.append(row)
         print(f"B={batch:4d} {ms:.4f} ms {'(table) ' if cfg == default else ''}"
+              f"{'' if ran == cfg else f'(asked {cfg}, ran) '}"
               # At T > 0 another reduction order moves draws that sit on a
               # CDF boundary: expected; at T = 0 a difference is an error.
               f"{'' if agree else 'TOKENS DIFFER ' if args.temperature == 0 else '(tokens differ, T > 0) '}"
-              f"dependent_launch={dependent} {cfg}", flush=True)
+              f"dependent_launch={dependent} {ran}", flush=True)
       if args.out:  # after every row: a sweep cut short keeps what it timed
         _write(args.out, shape, args.temperature, rows)
     if args.seed:

@@ -375,6 +375,40 @@ def test_tune_and_profile_scripts_smoke(tmp_path):
   assert {c.bias_dot for c in fma[1:]} == {"fma"} and {c.block_b for c in fma[1:]} == {1}
 
 
+def test_tune_graph_records_the_configuration_that_ran():
+  """A sweep's row records what the native runtime planned with the
+  candidate in the table (tune_graph.planned_config reads
+  native_plan.shape_config): a Mosaic candidate runs as asked, while the
+  Mosaic entry a batch's tiles do not fill, without partial_tiles (the
+  --grid mosaic default at B = 200 before change 57), yields to the rule,
+  which a row must not report as the entry."""
+  torch = pytest.importorskip("torch")
+  from benchmarks import tune_graph
+  from torch_bridge import native_plan
+  from jax_markov.kernels.draw_params import ParamsLayout
+  V, R, S = 129280, 256, 7
+
+  def shape(batch):
+    words = (("idx", batch * S), ("pos", 2 * batch * S), ("seeds", 2 * batch),
+             ("ids", batch * S + 4), ("anchor_idx", 2 * batch))
+    return native_plan.DraftShape(
+        max_num_reqs=batch, steps=S, vocab=V, rank=R, vocab_in=V,
+        base_dtype=torch.bfloat16, head_dtype=torch.bfloat16,
+        temperature_dtype=torch.float32, words=words,
+        layout=ParamsLayout(idx_wide=False, pos_wide=True), mosaic=True,
+        gpu="NVIDIA H200")
+
+  for cfg in tune_graph.mosaic_candidates(200, V, R):
+    with tune_graph.table_entry(cfg, V, R, 200):
+      assert native_plan.shape_config(shape(200), 200) == cfg
+  entry = tuning.KernelConfig(method="mosaic", block_b=128, block_v=64,
+                              num_stages=4, select_embed=True)
+  with tune_graph.table_entry(entry, V, R, 200):
+    ran = native_plan.shape_config(shape(200), 200)
+  assert ran != entry
+  assert (ran.method, ran.block_b, ran.partial_tiles) == ("mosaic", 64, True)
+
+
 def test_tune_graph_candidates_and_cpu_refusal():
   """benchmarks/tune_graph.py: valid candidates at each batch (one-request
   CUDA-core tiles only where few requests share proj), and a clear refusal
@@ -416,6 +450,7 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert {c.block_b for c in cfgs} == sizes
     assert all(c.method == "mosaic" for c in cfgs)
     assert all(c.partial_tiles == (batch % c.block_b != 0) for c in cfgs)
+    assert all(c.select_embed for c in cfgs)  # as every Mosaic entry
   assert not list(tune_graph.mosaic_candidates(66))  # not a multiple of 4
   assert not list(tune_graph.mosaic_candidates(32))
   for batch in (4, 64):  # the table's tile, other select warps only

@@ -266,11 +266,13 @@ def choose(method: str | None, batch: int, vocab: int, rank: int, *,
         not in TABLE and _mosaic_rule_applies(batch, vocab, rank)):
       entry = _mosaic_rule(batch, gpu)
     if (entry is not None and batch % entry.block_b
+        and not entry.partial_tiles
         and _mosaic_rule_applies(batch, vocab, rank)):
       # B = 192 does not fill the 256 bucket's 128-request tiles: the
       # rule's 64-request tiles, 1.31x seed_design_graph against the Triton
       # pass's 1.26x on an H100 (docs/perf-notes.md change 47); B = 136 and
-      # 200 on them with a partial last tile (change 57).
+      # 200 on them with a partial last tile (change 57). An entry that
+      # takes partial tiles itself runs as it is.
       entry = _mosaic_rule(batch, gpu)
     if (hopper and not interpret and entry is not None
         and (batch % entry.block_b == 0
