@@ -883,7 +883,10 @@ def test_kernel_digest_names_the_kernels_a_bucket_launches(tmp_path,
 def test_gpu_queue_runs_steps_in_order_within_its_budget(tmp_path):
   # benchmarks/gpu_queue.sh: each step's log, its exit status, a step the
   # budget would cut below 30 s skipped, a name filter; no GPU involved.
+  # The logs and the steps' outputs come back as one archive (a device call
+  # returns at most 8 files).
   import subprocess
+  import tarfile
   queue = tmp_path / "queue.txt"
   queue.write_text("# a comment\n"
                    "first 20 echo one; echo $OUT > $OUT/where\n"
@@ -901,8 +904,17 @@ def test_gpu_queue_runs_steps_in_order_within_its_budget(tmp_path):
   assert [s.split()[:2] for s in steps] == [
       ["first", "rc=0"], ["failing", "rc=3"], ["slow", "rc=124"],
       ["cut", "skipped"]]
-  assert (out / "first.log").read_text() == "one\n"
-  assert (out / "where").read_text().strip() == str(out)
+  assert sorted(p.name for p in out.iterdir()) == ["queue.tgz", "steps.txt"]
+  with tarfile.open(out / "queue.tgz") as tar:
+    files = {m.name.removeprefix("./"): m for m in tar.getmembers()
+             if m.isfile()}
+    assert set(files) == {"first.log", "failing.log", "slow.log", "where",
+                          "steps.txt"}
+    read = lambda name: tar.extractfile(files[name]).read().decode()
+    assert read("first.log") == "one\n"
+    assert read("steps.txt").splitlines() == steps
+    # The steps' $OUT is a work folder of their own, not the destination.
+    assert read("where").strip() != str(out)
   out2 = tmp_path / "out2"
   env = dict(os.environ, OUT=str(out2), LIMIT="25")
   subprocess.run(["bash", script, str(queue), "^fail"], env=env, check=True,
