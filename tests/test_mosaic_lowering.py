@@ -436,6 +436,29 @@ def test_partial_last_tile_lowers(B, block_b, kw, rows):
              row_stores="tma")
 
 
+@pytest.mark.parametrize("vocab", [DSV4["V"], 151936, 200064])
+def test_choose_gives_a_mosaic_plan_for_every_batch_it_picks(vocab):
+  """Every batch 1..520 on a Hopper GPU (H100, H200, unnamed): where
+  choose() picks the Mosaic pass, mosaic_block_pass.plan accepts the batch
+  with that tile (the native runtime's state rows), a partial last tile
+  only where the config says so; without Hopper, never the Mosaic pass."""
+  R = DSV4["R"]
+  for gpu in (None, "NVIDIA H100 80GB HBM3", "NVIDIA H200"):
+    for B in range(1, 521):
+      cfg = tuning.choose(None, B, vocab, R, interpret=False, hopper=True,
+                          gpu=gpu)
+      assert tuning.choose(None, B, vocab, R, interpret=False,
+                           gpu=gpu).method != "mosaic"
+      if cfg.method != "mosaic":
+        continue
+      assert cfg.partial_tiles == (B % cfg.block_b != 0), (gpu, B, cfg)
+      p = mbp.plan((B * 7, vocab), (B, R), (vocab, R), num_steps=7,
+                   block_b=cfg.block_b, block_v=cfg.block_v,
+                   max_concurrent_steps=cfg.num_stages or None, num_sms=132,
+                   row_stores="warp")
+      assert p.partial == cfg.partial_tiles
+
+
 def test_partial_tiles_entries():
   """A Mosaic entry with partial_tiles is chosen for a batch its tiles do
   not divide (B > 64 and a multiple of 4); without it, or for other
