@@ -254,6 +254,23 @@ def test_sampler_lowers_mosaic_block_pass_and_triton_select(B, block_b,
       0 if chunk_passes == 0 else 1)
 
 
+def test_jax_calls_keep_the_triton_pass_at_partial_tiles(monkeypatch):
+  """A JAX call takes the table's Mosaic choice where the batch fills its
+  tiles (B = 192, 256) and keeps the Triton pass where the rule would run
+  a partial last tile (B = 136, 200: measured in the native runtime only,
+  perf-notes change 57); asked for, the Mosaic pass runs partial tiles."""
+  from jax_markov import sampler
+  monkeypatch.setattr(sampler, "_mosaic_available", lambda: True)
+  V, R = DSV4["V"], DSV4["R"]
+  pick = lambda B, method=None: sampler._config(  # noqa: SLF001
+      None, method, B, V, R, interpret=False, hopper=True)
+  assert pick(256).method == pick(192).method == "mosaic"
+  for B in (136, 200):
+    assert pick(B) == tuning.choose(None, B, V, R, interpret=False)
+    assert pick(B).method == "fused"
+    assert pick(B, "mosaic").method == "mosaic"
+
+
 @pytest.mark.parametrize("B", [136, 200])
 def test_sampler_lowers_the_rules_partial_tiles(B):
   """B = 136 and 200 fill neither request tile: the rule's choice (64
