@@ -86,7 +86,7 @@ def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg, omit=(),
                               if mosaic_cfg.num_stages >= 2 else None),
         row_stores="tma" if variant.endswith("_tma") else "warp",
         _omit=tuple(omit), _base_slots=base_slots, _multicast=multicast,
-        num_sms=num_sms)
+        num_sms=num_sms, store_warpgroup=mosaic_cfg.store_warpgroup)
     return out
 
   def loop(x, cache, reps):
@@ -98,7 +98,8 @@ def step_fn(variant, B, S, V, R, *, mosaic_cfg, triton_cfg, omit=(),
 
 def time_variant(variant, B, *, S=7, V=129280, R=256, reps=50, repeats=5,
                  omit=(), base_slots=2, stages=None, multicast=False,
-                 num_sms=None, block_b=None, block_v=None):
+                 num_sms=None, block_b=None, block_v=None,
+                 store_warpgroup=None):
   x = _inputs(B, S, V, R)
   omit = () if variant.startswith("triton") else tuple(omit)
   mosaic_cfg = tuning.choose("mosaic", B, V, R, interpret=False)
@@ -108,6 +109,9 @@ def time_variant(variant, B, *, S=7, V=129280, R=256, reps=50, repeats=5,
     mosaic_cfg = dataclasses.replace(mosaic_cfg, block_b=block_b)
   if block_v is not None:
     mosaic_cfg = dataclasses.replace(mosaic_cfg, block_v=block_v)
+  if store_warpgroup is not None:
+    mosaic_cfg = dataclasses.replace(mosaic_cfg,
+                                     store_warpgroup=store_warpgroup)
   triton_cfg = tuning.choose("fused", B, V, R, interpret=False)
   fn = step_fn(variant, B, S, V, R, mosaic_cfg=mosaic_cfg,
                triton_cfg=triton_cfg, omit=omit, base_slots=base_slots,
@@ -147,6 +151,9 @@ def main(argv=None):
   ap.add_argument("--block-v", type=int, default=None, choices=(64, 128),
                   help="Mosaic GPU variants: columns a statistics block "
                   "(default: the table's)")
+  ap.add_argument("--store-warpgroup", choices=("on", "off"), default=None,
+                  help="Mosaic GPU variants: cache rows stored by a fourth "
+                  "warpgroup (default: the table's)")
   ap.add_argument("--num-sms", type=int, default=None,
                   help="Mosaic GPU variants: CTAs to aim for")
   ap.add_argument("--out", default=None)
@@ -162,7 +169,9 @@ def main(argv=None):
         r = time_variant(v, B, reps=args.reps, omit=args.omit,
                          base_slots=args.base_slots, stages=args.stages,
                          multicast=args.multicast, num_sms=args.num_sms,
-                         block_b=args.block_b, block_v=args.block_v)
+                         block_b=args.block_b, block_v=args.block_v,
+                         store_warpgroup=(None if args.store_warpgroup is None
+                                          else args.store_warpgroup == "on"))
       except Exception as e:  # pylint: disable=broad-except
         r = dict(variant=v, batch=B, error=f"{type(e).__name__}: {e}"[:300])
       print(json.dumps(r), flush=True)

@@ -237,6 +237,19 @@ def embed_candidates(table: KernelConfig):
     yield dataclasses.replace(table, select_embed=not table.select_embed)
 
 
+def stores_candidates(table: KernelConfig):
+  """The Mosaic GPU entry ``table`` (timed first, as every grid's default)
+  with its cache rows stored by a fourth warpgroup (store_warpgroup): at
+  the entry's proj chunks in flight, as many as fit beside two staging
+  tiles a consumer (num_stages 0), and 4."""
+  if table.method != "mosaic":
+    return
+  on = dataclasses.replace(table, store_warpgroup=True)
+  yield on
+  for stages in (0, 4):
+    yield dataclasses.replace(on, num_stages=stages)
+
+
 def select_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """The table's fused tile with 1 to 8 warps a select-pass program (the
   table's 4 was chosen with the block pass, never swept on its own)."""
@@ -459,7 +472,7 @@ def main(argv=None):
   p.add_argument("--out", default=None)
   p.add_argument("--grid", default="tiles",
                  choices=("tiles", "partial", "remainder", "persistent",
-                          "mosaic", "embed", "l2", "hints", "rows",
+                          "mosaic", "embed", "stores", "l2", "hints", "rows",
                           "select", "early", "prefetch", "dependents",
                           "table"),
                  help="tiles: step-by-step tiles near the table's; "
@@ -472,7 +485,9 @@ def main(argv=None):
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
                  "Hopper); embed: the Mosaic entry with and without the "
                  "select pass writing the next embeddings "
-                 "(embed_candidates); l2: the table's tile keeping proj rows in L2 "
+                 "(embed_candidates); stores: the Mosaic entry with its "
+                 "cache rows stored by a fourth warpgroup "
+                 "(stores_candidates); l2: the table's tile keeping proj rows in L2 "
                  "(l2_candidates); hints: the table's tile with eviction "
                  "hints on base and the cache, then on proj too "
                  "(hints_candidates); rows: all of 2-8 requests in one "
@@ -503,7 +518,7 @@ def main(argv=None):
     inputs = common.torch_inputs(shape, batch, 0, torch.device("cuda"))
     # table: what the hook runs by default (the Mosaic GPU entry where the
     # table has one for a Hopper GPU); the grids: their method's entry.
-    method = dict(mosaic="mosaic", embed="mosaic",
+    method = dict(mosaic="mosaic", embed="mosaic", stores="mosaic",
                   table=None).get(args.grid, "fused")
     default = tuning.choose(
         method, batch, shape.V, shape.R, interpret=False,
@@ -515,6 +530,7 @@ def main(argv=None):
                 persistent=persistent_candidates,
                 mosaic=lambda b: mosaic_candidates(b, shape.V, shape.R),
                 embed=lambda _: embed_candidates(default),
+                stores=lambda _: stores_candidates(default),
                 l2=lambda b: l2_candidates(b, shape.V, shape.R),
                 hints=lambda b: hints_candidates(b, shape.V, shape.R),
                 rows=lambda b: rows_candidates(b, shape.V, shape.R),

@@ -114,7 +114,8 @@ def _run_steps(cache, base, anchor_tokens, head, params, cache_rows,
         num_steps=S, num_cache_rows=num_cache_rows, block_b=config.block_b,
         block_v=config.block_v,
         max_concurrent_steps=(config.num_stages if config.num_stages >= 2
-                              else None), chunk=fold)
+                              else None), chunk=fold,
+        store_warpgroup=config.store_warpgroup)
     if fold is None:
       # The statistics are block-major: reduced over chunks of blocks first,
       # a request's draw reads a few short strided runs, not NB words.

@@ -289,6 +289,84 @@ def test_row_stores_agree_bit_for_bit(B, block_b, block_v):
     assert not np.array_equal(outs[1][0][written], before[written])
 
 
+@pytest.mark.parametrize("B,block_b,block_v,rows", [
+    (256, 128, 64, True), (64, 64, 64, True), (64, 64, 128, True),
+    (136, 64, 64, True), (136, 64, 64, False), (200, 128, 64, True)])
+def test_store_warpgroup_agrees_bit_for_bit(B, block_b, block_v, rows):
+  """store_warpgroup (a fourth warpgroup stores the consumers' staged cache
+  rows) writes the cache and statistics the consumers' own warp row stores
+  do, bit for bit, run after run, at the DeepSeek-V4 shape: into random
+  state rows with padding (every other row untouched), and, with a partial
+  last tile (B = 136, 200), into the dense cache too."""
+  S, V, R = DSV4["S"], DSV4["V"], DSV4["R"]
+  N = B + 5 if rows else B
+  rng = np.random.default_rng(91 + B + block_v)
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  base, emb, proj = bf16(B * S, V), bf16(B, R), bf16(V, R) * 0.1
+  params = jnp.stack([jnp.asarray(rng.choice([1.0, 1 / 0.7], B * S),
+                                  jnp.float32),
+                      jnp.zeros(B * S), jnp.full(B * S, 0.5)])
+  cache_rows = None
+  if rows:
+    r = (rng.permutation(N)[:B, None] * S + np.arange(S)).astype(np.int32)
+    r[3] = -1
+    r[B - 1, 5] = -1  # a padded draw in the last (possibly partial) tile
+    cache_rows = jnp.asarray(r.reshape(-1))
+  cache0 = jnp.asarray(rng.standard_normal((N * S, V)), jnp.float32)
+  before = np.asarray(cache0)
+  p = mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=block_b,
+               block_v=block_v, max_concurrent_steps=None, num_sms=None,
+               row_stores="warp", state_rows=rows, store_warpgroup=True)
+  assert p.store_wg and p.num_wgs == 4
+  for s in (0, 5):
+    step = jnp.array([s], jnp.int32)
+    outs = [[np.asarray(a) for a in mbp.mosaic_block_pass(
+        base, emb, proj, params, step, jnp.array(cache0), cache_rows,
+        num_steps=S, num_cache_rows=N * S, block_b=block_b, block_v=block_v,
+        store_warpgroup=on)] for on in (False, True, True)]
+    for out in outs[1:]:
+      for a, b in zip(outs[0], out):
+        np.testing.assert_array_equal(a, b)
+    written = (np.asarray(cache_rows).reshape(B, S)[:, s] if rows
+               else np.arange(B) * S + s)
+    written = written[written >= 0]
+    untouched = np.setdiff1d(np.arange(N * S), written)
+    np.testing.assert_array_equal(outs[2][0][untouched], before[untouched])
+    assert not np.array_equal(outs[2][0][written], before[written])
+
+
+@pytest.mark.parametrize("B,block_b", [(256, 128), (136, 64)])
+def test_store_warpgroup_draft_into_state_rows(B, block_b):
+  """The sampler's draft into state rows with store_warpgroup: the contract
+  (check_draft; padding and every row no draw names untouched), and the
+  same tokens and cache as without it, bit for bit."""
+  S, V, R = DSV4["S"], DSV4["V"], DSV4["R"]
+  N = B + 12
+  base, anchor, head, _, _, pos = make_problem(B, S, V, R, jnp.bfloat16,
+                                               seed=93 + B, head_scale=0.1)
+  rng = np.random.default_rng(93 + B)
+  idx_map = np.repeat(rng.permutation(N)[:B, None], S, axis=1).astype(np.int32)
+  idx_map[2] = -1
+  idx_map[B - 1, 4] = -1
+  temperature = jnp.asarray(rng.choice([0.0, 0.7, 1.0], N), jnp.float32)
+  seeds = rng.integers(0, 2**62, N, dtype=np.int64)
+  cache0 = jnp.asarray(rng.standard_normal((N, S, V)), jnp.float32)
+  before = np.asarray(cache0)
+  outs = []
+  for on in (False, True):
+    config = jm.KernelConfig(method="mosaic", block_b=block_b, block_v=64,
+                             partial_tiles=B % block_b != 0,
+                             select_embed=True, store_warpgroup=on)
+    outs.append(jm.sample_draft_into(jnp.array(cache0), base, anchor, head,
+                                     temperature, seeds, jnp.asarray(idx_map),
+                                     pos, config=config))
+  (tokens, cache), (tokens_w, cache_w) = outs
+  _check_into(tokens_w, cache_w, before, idx_map, base, anchor, head,
+              temperature, seeds, pos)
+  np.testing.assert_array_equal(np.asarray(tokens_w), np.asarray(tokens))
+  np.testing.assert_array_equal(np.asarray(cache_w), np.asarray(cache))
+
+
 @pytest.mark.parametrize("B,block_b,block_v", [(256, 128, 64), (128, 64, 64),
                                                (512, 128, 64)])
 def test_multicast_agrees_bit_for_bit(B, block_b, block_v):

@@ -223,6 +223,65 @@ def test_state_rows_lower_and_alias_the_cache(row_stores, B, block_v):
                                 num_cache_rows=N, num_sms=132)
 
 
+@pytest.mark.parametrize("B,block_b,block_v,rows", [
+    (64, 64, 64, True), (64, 64, 128, True), (256, 128, 64, True),
+    (136, 64, 64, False), (136, 64, 64, True), (200, 128, 64, False)])
+def test_store_warpgroup_lowers(B, block_b, block_v, rows):
+  """store_warpgroup where rows are stored by warp (state rows, a partial
+  last tile): four warpgroups, two staging tiles a consumer where they fit
+  (fewer proj chunks in flight for them), within shared memory; the kernel
+  lowers at the DeepSeek-V4 shape and differs from the one without."""
+  V, R, S = DSV4["V"], DSV4["R"], DSV4["S"]
+  kw = dict(num_steps=S, block_b=block_b, block_v=block_v,
+            max_concurrent_steps=None, num_sms=132, row_stores="warp",
+            state_rows=rows)
+  off = mbp.plan((B * S, V), (B, R), (V, R), **kw)
+  on = mbp.plan((B * S, V), (B, R), (V, R), store_warpgroup=True, **kw)
+  assert on.warp_rows and on.store_wg and on.num_wgs == 4
+  assert not off.store_wg and off.num_wgs == 3
+  assert on.smem_bytes <= mbp.SMEM_LIMIT and on.stages >= 2
+  assert on.out_slots in (1, 2) and on.stages <= off.stages
+  # Two staging tiles a consumer where two proj chunks still fit beside
+  # them (at block_v = 128 and 64-request tiles they do not).
+  if mbp.smem_bytes(on.block_b, on.cta_v, R, block_v, 2, 2, "warp") \
+      <= mbp.SMEM_LIMIT:
+    assert on.out_slots == 2
+  specs = _specs(B, V, R, S)
+  if rows:
+    specs = specs + [spec((B * S,), jnp.int32)]
+  texts = [mbp.mosaic_block_pass.trace(
+      *specs, num_steps=S, num_sms=132, block_b=block_b, block_v=block_v,
+      store_warpgroup=w).lower(lowering_platforms=("cuda",)).as_text()
+           for w in (False, True)]
+  for text in texts:
+    assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+  assert texts[0] != texts[1]
+
+
+def test_store_warpgroup_is_ignored_where_tma_stores_the_cache():
+  """Dense full tiles store the cache by TMA (asynchronous already): the
+  option changes nothing there, nor with the cache stores left out; it
+  refuses multicast, and is for method='mosaic' only."""
+  V, R, S, B = DSV4["V"], DSV4["R"], DSV4["S"], 256
+  kw = dict(num_steps=S, block_b=128, block_v=64, max_concurrent_steps=None,
+            num_sms=132, row_stores="warp")
+  for extra in (dict(state_rows=False), dict(state_rows=True, omit=("cache",))):
+    p = mbp.plan((B * S, V), (B, R), (V, R), store_warpgroup=True,
+                 **kw, **extra)
+    assert not p.store_wg and p.num_wgs == 3
+    assert p == mbp.plan((B * S, V), (B, R), (V, R), **kw, **extra)
+  texts = [_lower(B, V, R, S, block_b=128, block_v=64,
+                  store_warpgroup=w).as_text() for w in (False, True)]
+  assert texts[0] == texts[1]
+  with pytest.raises(ValueError, match="multicast"):
+    mbp.plan((B * S, V), (B, R), (V, R), store_warpgroup=True,
+             state_rows=True, multicast=True, **kw)
+  with pytest.raises(ValueError, match="store_warpgroup is for"):
+    jm.KernelConfig(method="fused", store_warpgroup=True)
+  jm.KernelConfig(method="mosaic", block_b=128, block_v=64,
+                  store_warpgroup=True)  # fine
+
+
 # --- the sampler with method="mosaic" --------------------------------------
 
 def _sampler_text(B, V, R, S, config):
@@ -546,10 +605,12 @@ def test_per_gpu_entries():
   assert (b72.method, b72.block_b, b72.remainder_b) == ("fused", 64, 16)
 
 
-def test_sampler_lowers_mosaic_into_state_rows():
+@pytest.mark.parametrize("store_warpgroup", [False, True])
+def test_sampler_lowers_mosaic_into_state_rows(store_warpgroup):
   from jax_markov import sampler
   B, S, V, R, N = 256, DSV4["S"], DSV4["V"], DSV4["R"], 300
-  config = jm.KernelConfig(method="mosaic", block_b=128, block_v=64)
+  config = jm.KernelConfig(method="mosaic", block_b=128, block_v=64,
+                           store_warpgroup=store_warpgroup)
   head = jm.MarkovHead(embed=spec((V, R), jnp.bfloat16),
                        proj=spec((V, R), jnp.bfloat16))
   traced = sampler._sample_draft_into_donated.trace(

@@ -403,7 +403,7 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
         base, emb, proj, params, step, cache, cache_rows, num_steps=s,
         num_cache_rows=m * s, block_b=cfg.block_b, block_v=cfg.block_v,
         max_concurrent_steps=cfg.num_stages if cfg.num_stages >= 2 else None,
-        num_sms=num_sms, chunk=fold)
+        num_sms=num_sms, chunk=fold, store_warpgroup=cfg.store_warpgroup)
 
   ir = mosaic_launch.lower(block_call, *specs.values(),
                            name="mosaic_block_pass")

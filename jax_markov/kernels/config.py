@@ -139,6 +139,13 @@ class KernelConfig:
       launch a step, XLA's gather in JAX); only step 0's embeddings, of
       the anchors, are gathered (docs/perf-notes.md change 53). False: a
       gather before every step.
+    store_warpgroup: method="mosaic": where the Mosaic pass stores cache
+      rows by warp (the native runtime's state-indexed cache, and every
+      partial last tile), a fourth warpgroup stores them from two staging
+      tiles a consumer, so the consumers go on to their next WGMMA instead
+      of storing their own rows (kernels/mosaic_block_pass.py;
+      docs/perf-notes.md change 58). Same bits. Ignored where the pass
+      stores the cache by TMA (the dense layout's full tiles).
   """
   method: str = "fused"
   block_b: int = 16
@@ -164,6 +171,7 @@ class KernelConfig:
   remainder_pass: str = "joint"
   partial_tiles: bool = False
   select_embed: bool = False
+  store_warpgroup: bool = False
   l2_hints: str = "none"
 
   def __post_init__(self):
@@ -256,6 +264,10 @@ class KernelConfig:
     if self.select_embed and self.method != "mosaic":
       raise ValueError("select_embed is for method='mosaic' (the Triton "
                        "block pass gathers its embeddings itself), got "
+                       f"method={self.method!r}")
+
+    if self.store_warpgroup and self.method != "mosaic":
+      raise ValueError("store_warpgroup is for method='mosaic', got "
                        f"method={self.method!r}")
 
     if self.partial_tiles and self.method != "mosaic":

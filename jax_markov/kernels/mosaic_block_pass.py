@@ -40,7 +40,10 @@ Kernel layout (all static, chosen by :func:`plan`):
 * 3 warpgroups: warpgroup 2 issues every TMA load; warpgroups 0 and 1 each
   own a 64-request x ``block_v`` tile of every vocabulary tile: with
   ``block_b`` = 128 they split the requests (cta_v = block_v), with
-  ``block_b`` = 64 they split the columns (cta_v = 2 * block_v).
+  ``block_b`` = 64 they split the columns (cta_v = 2 * block_v). With
+  ``store_warpgroup`` (warp row stores only) a fourth, warpgroup 3, stores
+  the consumers' staged cache rows, so that they do not stop issuing WGMMA
+  for their own stores.
 * shared memory: the [block_b, R] embedding tile (loaded once), a ring of
   ``max_concurrent_steps`` proj chunks [cta_v, 64] (R is walked in chunks of
   64 columns: one 128-byte swizzle row of bf16), a ring of 2 base tiles
@@ -142,6 +145,10 @@ class Plan:
   # Blocks a vocabulary worker covers, contiguous, reduced in the epilogue to
   # chunk statistics [NC = grid_v, B]; 0: strided workers, no chunk outputs.
   chunk: int = 0
+  state_rows: bool = False  # the cache is state-indexed (cache_rows given)
+  # A fourth warpgroup stores the cache rows from out_slots staging tiles a
+  # consumer (warp row stores only).
+  store_wg: bool = False
 
   @property
   def num_blocks(self) -> int:
@@ -165,6 +172,18 @@ class Plan:
                       self.stages, self.out_slots, self.row_stores,
                       self.base_slots)
 
+  @property
+  def warp_rows(self) -> bool:
+    """Cache rows are stored by warp through a staging tile: state rows
+    with row_stores="warp", and every partial last tile."""
+    return self.partial or (self.state_rows and self.row_stores == "warp")
+
+  @property
+  def num_wgs(self) -> int:
+    """Warpgroups a CTA: the consumers, the producer and, with store_wg,
+    the store warpgroup."""
+    return NUM_COMPUTE_WGS + 1 + int(self.store_wg)
+
 
 def smem_bytes(block_b: int, cta_v: int, rank: int, block_v: int, stages: int,
                out_slots: int, row_stores: str = "tma",
@@ -173,8 +192,8 @@ def smem_bytes(block_b: int, cta_v: int, rank: int, block_v: int, stages: int,
   emb = block_b * rank * 2
   proj = stages * cta_v * TILE_K * 2
   base = base_slots * block_b * cta_v * 2
-  if row_stores == "warp":  # one padded staging tile and the rows
-    out = NUM_COMPUTE_WGS * WG_ROWS * (STAGE_PITCH + 1) * 4
+  if row_stores == "warp":  # out_slots padded staging tiles and the rows
+    out = NUM_COMPUTE_WGS * WG_ROWS * (out_slots * STAGE_PITCH + 1) * 4
   else:
     out = NUM_COMPUTE_WGS * out_slots * WG_ROWS * EPI_V * 4
   stats = 3 * NUM_COMPUTE_WGS * WG_ROWS * 4
@@ -241,11 +260,14 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
          max_concurrent_steps: int | None, num_sms: int | None,
          row_stores: str = "tma", omit: tuple = (),
          base_slots: int = 2, multicast: bool = False,
-         chunk: int | None = None) -> Plan:
+         chunk: int | None = None, state_rows: bool = False,
+         store_warpgroup: bool = False) -> Plan:
   """Checks the shapes and picks the tiles; raises ValueError if unsupported.
 
   row_stores ("tma" or "warp") is how state rows are stored; the dense
-  layout ignores it (one TMA box a tile). chunk: see mosaic_block_pass.
+  layout ignores it (one TMA box a tile). state_rows: the cache is
+  state-indexed (cache_rows given). chunk, store_warpgroup: see
+  mosaic_block_pass.
   """
   if not set(omit) <= set(OMITTABLE):
     raise ValueError(f"omit must be a subset of {OMITTABLE}, got {omit!r}")
@@ -294,14 +316,31 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
         f"V = {vocab} must be a multiple of {cta_v} (with block_b = 64 the "
         f"two consumer warpgroups take block_v = {block_v} columns each)")
   num_k = rank // TILE_K
-  # The warp row stores stage one tile per consumer (two barriers a tile
-  # order its reuse).
-  slot_choices = (1,) if row_stores == "warp" else (2, 1)
+  warp_rows = bool(batch % block_b) or (state_rows and row_stores == "warp")
+  # Only warp row stores have a store warpgroup to hand off to (TMA stores
+  # are asynchronous already); with the cache stores left out, nothing is.
+  store_wg = store_warpgroup and warp_rows and "cache" not in omit
+  if store_wg and multicast:
+    raise ValueError("store_warpgroup and multicast do not combine (the "
+                     "cluster's exit barrier counts three warpgroups)")
+  if store_wg:
+    # Double-buffered staging first: a consumer stages tile e + 1 while the
+    # store warpgroup drains tile e.
+    slot_choices = (2, 1)
+  elif row_stores == "warp":
+    # The consumers' own warp row stores stage one tile each (two
+    # warpgroup barriers a tile order its reuse).
+    slot_choices = (1,)
+  else:
+    slot_choices = (2, 1)
   if max_concurrent_steps is not None:
     if max_concurrent_steps < 2:
       raise ValueError("max_concurrent_steps (proj chunks in flight) must "
                        f"be >= 2, got {max_concurrent_steps}")
     candidates = [(max_concurrent_steps, e) for e in slot_choices]
+  elif store_wg:
+    candidates = [(p, e) for e in slot_choices
+                  for p in range(2 * num_k, 1, -1)]
   else:
     # Prefer up to two whole proj tiles in flight (a step's chunks all land
     # during the step before it), then double-buffered cache staging.
@@ -348,7 +387,8 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
               block_b=block_b, block_v=block_v, cta_v=cta_v, split_v=split_v,
               num_k=num_k, stages=stages, out_slots=out_slots,
               row_stores=row_stores, omit=tuple(omit), base_slots=base_slots,
-              cluster=cluster, chunk=chunk or 0,
+              cluster=cluster, chunk=chunk or 0, state_rows=state_rows,
+              store_wg=store_wg,
               num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
 
 
@@ -356,6 +396,60 @@ def _swizzled(dtype):
   """Tiling + 128-byte swizzle: the layout TMA writes and WGMMA reads."""
   elems = 128 // jnp.dtype(dtype).itemsize
   return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(128))
+
+
+def _pointers(stage, rows, cache):
+  """MLIR (inside inline_mgpu): the staging tile's, the rows' (shared
+  memory) and the cache window's (global) pointers."""
+  ptrs = [mgpu.utils.memref_ptr(stage)]
+  if rows is not None:
+    ptrs.append(mgpu.utils.memref_ptr(rows))
+    ptrs.append(llvm.addrspacecast(llvm.PointerType.get(1),
+                                   mgpu.utils.memref_ptr(cache)))
+  return ptrs
+
+
+def _emit_stage(x, row_i, col_i, stage_ptr):
+  """MLIR (inside inline_mgpu): each register pair of x to the staging tile
+  at its (row, column). Arguments as :func:`_store_rows_by_warp`'s."""
+  i32 = ir.IntegerType.get_signless(32)
+  f32 = ir.F32Type.get()
+  first = ir.DenseI64ArrayAttr.get([0])
+  for xr, rr, cr in zip(x.registers.flat, row_i.registers.flat,
+                        col_i.registers.flat, strict=True):
+    r = vector.extract(rr, dynamic_position=[], static_position=first)
+    j = vector.extract(cr, dynamic_position=[], static_position=first)
+    off = arith.addi(arith.muli(r, arith.constant(i32, STAGE_PITCH)), j)
+    llvm.store(xr, mgpu.utils.getelementptr(stage_ptr, [off], f32),
+               alignment=8)
+
+
+def _emit_row_stores(stage_ptr, rows_ptr, cache_ptr, *, vocab: int):
+  """MLIR (inside inline_mgpu): warp w of the warpgroup stores rows w, w + 4,
+  ..., w + 60 of the staging tile, each one 256-byte row of the cache (lane
+  l: columns 2l and 2l + 1), skipping rows whose cache row is < 0."""
+  i32 = ir.IntegerType.get_signless(32)
+  i64 = ir.IntegerType.get_signless(64)
+  f32 = ir.F32Type.get()
+  pair = ir.VectorType.get((2,), f32)
+  c = lambda v, t=i32: arith.constant(t, v)
+  tid = mgpu.utils.thread_idx()
+  lane = arith.andi(tid, c(31))
+  warp = arith.andi(arith.shrui(tid, c(5)), c(3))
+  col = arith.muli(lane, c(2))
+  col64 = arith.extui(i64, col)
+  stride = c(vocab, i64)
+  zero = c(0)
+  for k in range(WG_ROWS // 4):
+    r = arith.addi(warp, c(4 * k))
+    v = llvm.load(pair, mgpu.utils.getelementptr(
+        stage_ptr, [arith.addi(arith.muli(r, c(STAGE_PITCH)), col)], f32))
+    row = llvm.load(i32, mgpu.utils.getelementptr(rows_ptr, [r], i32))
+    with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.sge, row, zero)):
+      # int64: N * V can pass 2**31 (M = 2048, S = 8 at V = 129280).
+      off = arith.addi(arith.muli(arith.extsi(i64, row), stride), col64)
+      llvm.store(v, mgpu.utils.getelementptr(cache_ptr, [off], f32),
+                 alignment=8)
 
 
 def _store_rows_by_warp(x, row_i, col_i, stage, rows, cache, *, vocab: int):
@@ -381,47 +475,42 @@ def _store_rows_by_warp(x, row_i, col_i, stage, rows, cache, *, vocab: int):
                                 plgpu.RefType(), plgpu.RefType()))
   def store(ctx, x, row_i, col_i, stage, rows, cache):
     del ctx
-    i32 = ir.IntegerType.get_signless(32)
-    i64 = ir.IntegerType.get_signless(64)
-    f32 = ir.F32Type.get()
-    pair = ir.VectorType.get((2,), f32)
-    c = lambda v, t=i32: arith.constant(t, v)
-    first = ir.DenseI64ArrayAttr.get([0])
-    stage_ptr = mgpu.utils.memref_ptr(stage)
-    rows_ptr = mgpu.utils.memref_ptr(rows)
-    cache_ptr = llvm.addrspacecast(llvm.PointerType.get(1),
-                                   mgpu.utils.memref_ptr(cache))
-    # Registers to the staging tile, each at its (row, column).
-    for xr, rr, cr in zip(x.registers.flat, row_i.registers.flat,
-                          col_i.registers.flat, strict=True):
-      r = vector.extract(rr, dynamic_position=[], static_position=first)
-      j = vector.extract(cr, dynamic_position=[], static_position=first)
-      off = arith.addi(arith.muli(r, c(STAGE_PITCH)), j)
-      llvm.store(xr, mgpu.utils.getelementptr(stage_ptr, [off], f32),
-                 alignment=8)
+    stage_ptr, rows_ptr, cache_ptr = _pointers(stage, rows, cache)
+    _emit_stage(x, row_i, col_i, stage_ptr)
     # Every thread's pairs are in the tile before any warp reads a row.
     mgpu.utils.warpgroup_barrier()
-    tid = mgpu.utils.thread_idx()
-    lane = arith.andi(tid, c(31))
-    warp = arith.andi(arith.shrui(tid, c(5)), c(3))
-    col = arith.muli(lane, c(2))
-    col64 = arith.extui(i64, col)
-    stride = c(vocab, i64)
-    zero = c(0)
-    for k in range(WG_ROWS // 4):
-      r = arith.addi(warp, c(4 * k))
-      v = llvm.load(pair, mgpu.utils.getelementptr(
-          stage_ptr, [arith.addi(arith.muli(r, c(STAGE_PITCH)), col)], f32))
-      row = llvm.load(i32, mgpu.utils.getelementptr(rows_ptr, [r], i32))
-      with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.sge, row, zero)):
-        # int64: N * V can pass 2**31 (M = 2048, S = 8 at V = 129280).
-        off = arith.addi(arith.muli(arith.extsi(i64, row), stride), col64)
-        llvm.store(v, mgpu.utils.getelementptr(cache_ptr, [off], f32),
-                   alignment=8)
+    _emit_row_stores(stage_ptr, rows_ptr, cache_ptr, vocab=vocab)
     # Every warp has read the tile before the next one is staged.
     mgpu.utils.warpgroup_barrier()
 
   store(x, row_i, col_i, stage, rows, cache)
+
+
+def _stage_rows(x, row_i, col_i, stage):
+  """The first half of :func:`_store_rows_by_warp` (store_wg: a consumer's):
+  x to the staging tile. The consumer's arrival on the tile's barrier
+  (release) then hands it to the store warpgroup."""
+  layout = plgpu.Layout.WGMMA
+
+  @plgpu.inline_mgpu(arg_types=(layout, layout, layout, plgpu.RefType()))
+  def stage_tile(ctx, x, row_i, col_i, stage):
+    del ctx
+    _emit_stage(x, row_i, col_i, *_pointers(stage, None, None))
+
+  stage_tile(x, row_i, col_i, stage)
+
+
+def _store_staged_rows(stage, rows, cache, *, vocab: int):
+  """The second half of :func:`_store_rows_by_warp` (store_wg: the store
+  warpgroup's), after its wait on the tile's barrier (acquire)."""
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
+                                plgpu.RefType()))
+  def store(ctx, stage, rows, cache):
+    del ctx
+    _emit_row_stores(*_pointers(stage, rows, cache), vocab=vocab)
+
+  store(stage, rows, cache)
 
 
 def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
@@ -481,11 +570,18 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
     def tile_v0(t):
       return (worker + t * grid_v) * cta_v
 
-  warp_rows = (rows_gmem is not None and p.row_stores == "warp") or p.partial
+  warp_rows = p.warp_rows
+  assert warp_rows == ((rows_gmem is not None and p.row_stores == "warp")
+                       or p.partial), "plan(state_rows=) disagrees"
 
   def body(emb_smem, proj_smem, base_smem, out_smem, rows_smem, max_smem,
            sum_smem, arg_smem, emb_bar, proj_bar, base_bar, proj_free, base_free,
-           done=None):
+           *extra):
+    # A cluster's exit barrier, or the store warpgroup's two barrier arrays
+    # (consumer c's staging tile o is index c * out_slots + o): staged, the
+    # consumer has written it; drained, the store warpgroup has read it.
+    done = extra[0] if p.cluster > 1 else None
+    staged, drained = extra if p.store_wg else (None, None)
     # Every waiter waits on every phase of the barriers it uses (Mosaic keeps
     # one parity bit per barrier per thread): consumers on each proj chunk
     # and base tile, the producer on each release of a slot it refills.
@@ -542,9 +638,34 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
               proj_smem.at[ps], proj_bar.at[ps],
               collective_axes="b" if p.cluster > 1 else None)
 
+    if p.store_wg:
+      @pl.when(wg == NUM_COMPUTE_WGS + 1)
+      def _storer():
+        # Takes the consumers' staging tiles in the order they fill them
+        # (tile t, epilogue tile e, consumer 0 then 1) and stores their rows
+        # by warp while the consumers go on to the next WGMMA.
+        plgpu.set_max_registers(40, action="decrease")
+
+        @pl.loop(0, num_t)
+        def _store(t):
+          for e in range(n_epi):
+            o = lax.rem(t * n_epi + e, out_slots)
+            for c in range(NUM_COMPUTE_WGS):
+              v0 = tile_v0(t) + (c * block_v if p.split_v else 0)
+              i = c * out_slots + o
+              plgpu.barrier_wait(staged.at[i])
+              _store_staged_rows(
+                  out_smem.at[c, o], rows_smem.at[c],
+                  cache_gmem.at[:, pl.ds(v0 + e * EPI_V, EPI_V)],
+                  vocab=p.vocab)
+              # Every thread arrives after its own loads (release): the
+              # consumer may stage into the tile again.
+              plgpu.barrier_arrive(drained.at[i])
+
     @pl.when(wg < NUM_COMPUTE_WGS)
     def _consumer():
-      plgpu.set_max_registers(232, action="increase")
+      # 512 threads with a store warpgroup: 40 + 40 + 2 * 216 registers.
+      plgpu.set_max_registers(216 if p.store_wg else 232, action="increase")
       step = step_gmem[0]
       row_off = 0 if p.split_v else wg * WG_ROWS
       col_off = wg * block_v if p.split_v else 0
@@ -627,6 +748,23 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
         # The cache holds pre-temperature logits. Its stores are issued
         # before the statistics so the TMA runs under their arithmetic.
         for e in range(0 if "cache" in p.omit else n_epi):
+          if p.store_wg:
+            u = t * n_epi + e
+            o = lax.rem(u, out_slots)
+            i = wg * out_slots + o
+
+            # The store warpgroup has read what this tile held out_slots
+            # epilogue tiles ago.
+            @pl.when(u >= out_slots)
+            def _():
+              plgpu.barrier_wait(drained.at[i])
+
+            _stage_rows(plgpu.layout_cast(x[:, e * EPI_V:(e + 1) * EPI_V],
+                                          plgpu.Layout.WGMMA),
+                        epi_rows, epi_cols, out_smem.at[wg, o])
+            # Every thread arrives after its own stores (release).
+            plgpu.barrier_arrive(staged.at[i])
+            continue
           if warp_rows:
             _store_rows_by_warp(
                 plgpu.layout_cast(x[:, e * EPI_V:(e + 1) * EPI_V],
@@ -746,7 +884,9 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       plgpu.SMEM((stages, cta_v, TILE_K), bf16, transforms=_swizzled(bf16)),
       plgpu.SMEM((p.base_slots, block_b, cta_v), bf16, transforms=_swizzled(bf16)),
       # Row stores need single-row slices: no tiling in the state-row layout.
-      (plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, STAGE_PITCH), f32) if warp_rows
+      (plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, STAGE_PITCH), f32)
+       if p.store_wg else
+       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, STAGE_PITCH), f32) if warp_rows
        else plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, EPI_V), f32,
                        transforms=(_swizzled(f32) if rows_gmem is None
                                    else ()))),
@@ -770,6 +910,10 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       *([plgpu.ClusterBarrier(collective_axes=("b",),
                               num_arrivals=NUM_COMPUTE_WGS + 1)]
         if p.cluster > 1 else []),
+      # staged (a consumer arrives), drained (the store warpgroup arrives).
+      *([plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS * out_slots),
+         plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS * out_slots)]
+        if p.store_wg else []),
       collective_axes="wg",
   )
 
@@ -799,7 +943,8 @@ def _check_operands(base, emb, proj, params, step, cache, cache_rows,
     jax.jit,
     static_argnames=("num_steps", "num_cache_rows", "block_b", "block_v",
                      "max_concurrent_steps", "num_sms", "row_stores",
-                     "chunk", "_omit", "_base_slots", "_multicast"),
+                     "chunk", "store_warpgroup", "_omit", "_base_slots",
+                     "_multicast"),
     donate_argnames=("cache",))
 def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       params: jax.Array, step: jax.Array,
@@ -810,6 +955,7 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       max_concurrent_steps: int | None = None,
                       num_sms: int | None = None,
                       row_stores: str = "warp", chunk: int | None = None,
+                      store_warpgroup: bool = False,
                       _omit: tuple = (),
                       _base_slots: int = 2, _multicast: bool = False):
   """Runs one step of the fused block pass on Hopper (Mosaic GPU).
@@ -857,6 +1003,13 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       :func:`jax_markov.kernels.chunk_pass.chunk_pass` computes them from
       the block statistics (sums in another order): the select pass's
       ``chunk_stats`` without a chunk pass.
+    store_warpgroup: where cache rows are stored by warp (state rows with
+      row_stores="warp", or a partial last tile; static), a fourth
+      warpgroup stores them: each consumer stages a [64, 64] tile into one
+      of two shared-memory slots and goes on to its next WGMMA while the
+      store warpgroup writes the rows out (the consumers otherwise stop
+      issuing WGMMA for their own stores; docs/perf-notes.md change 58).
+      The same bits either way. Ignored where the cache is stored by TMA.
     _omit: stages to leave out, for timing the rest only (a subset of
       OMITTABLE; the outputs are then wrong): "mma", "cache", "stats".
     _base_slots: base tiles in flight (>= 2; an experiment's knob).
@@ -890,7 +1043,9 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
            block_b=block_b, block_v=block_v,
            max_concurrent_steps=max_concurrent_steps, num_sms=num_sms,
            row_stores=row_stores, omit=_omit, base_slots=_base_slots,
-           multicast=_multicast, chunk=chunk)
+           multicast=_multicast, chunk=chunk,
+           state_rows=cache_rows is not None,
+           store_warpgroup=store_warpgroup)
   B, S, V = p.batch, p.steps, p.vocab
   if num_cache_rows is None:
     num_cache_rows = B * S
@@ -941,10 +1096,10 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     # The request tiles of a worker are the CTAs of one cluster.
     mesh = plgpu.Mesh(grid=(p.grid_v,), grid_names=("v",),
                       cluster=(p.cluster,), cluster_names=("b",),
-                      num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg")
+                      num_threads=p.num_wgs, thread_name="wg")
   else:
     mesh = plgpu.Mesh(grid=(p.grid_v, p.num_b_tiles), grid_names=("v", "b"),
-                      num_threads=NUM_COMPUTE_WGS + 1, thread_name="wg")
+                      num_threads=p.num_wgs, thread_name="wg")
   kernel = pl.kernel(
       body,
       out_type=out_type,
