@@ -109,6 +109,11 @@ FAMILIES = {
     # Not in the defaults: jax_markov forced to method="fused" (the Triton
     # block pass), to set the table's Mosaic GPU choice beside it in one run.
     "jax_markov_fused": "jax",
+    # Not in the defaults: jax_markov with the configuration the native
+    # runtime plans for the batch where that is the Mosaic GPU pass (a
+    # partial last tile at B = 136 / 200, which a JAX call does not take by
+    # itself: sampler._config), beside jax_markov in one run.
+    "jax_markov_mosaic": "jax",
     # Not in the defaults: the captured hook with mosaic=True (the Mosaic GPU
     # block pass where the table has it; Hopper only) and with mosaic=False
     # (the Triton block pass everywhere), for A/B rows in one run.
@@ -125,7 +130,8 @@ IMPLS = ("jax_markov", "torch_bridge", "torch_bridge_graph", "seed_design",
 # torch_bridge_greedy (eager) is not in the defaults: the CPU tests' path to
 # the greedy hook (a CUDA graph needs a GPU).
 ALL_IMPLS = IMPLS + ("torch_bridge_greedy", "jax_markov_xla_bias",
-                     "jax_markov_fused", "torch_bridge_mosaic_graph",
+                     "jax_markov_fused", "jax_markov_mosaic",
+                     "torch_bridge_mosaic_graph",
                      "torch_bridge_triton_graph")
 # Tokens only (no cache): timed once, at temperature 0, in their own table.
 GREEDY_IMPLS = ("jax_markov_greedy", "torch_bridge_greedy",

@@ -61,6 +61,9 @@ DESCRIPTIONS = {
                             "bias GEMM, then the Pallas block pass",
     "jax_markov_fused": "jax_markov with `method=\"fused\"`: the Triton "
                         "block pass where the table would pick Mosaic GPU",
+    "jax_markov_mosaic": "jax_markov with the configuration the native "
+                         "runtime plans where that is the Mosaic GPU pass "
+                         "(partial last tiles included)",
     "torch_bridge_mosaic_graph": "the hook with `mosaic=True` (the Mosaic "
                                  "GPU block pass where the table has it), "
                                  "captured in a CUDA graph",

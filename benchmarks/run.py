@@ -22,7 +22,10 @@ backbone forward is not timed) for each implementation:
 
 Not in the defaults, for A/B rows in one run: jax_markov_xla_bias
 (method="xla_bias"), jax_markov_fused (method="fused": the Triton block pass
-where the table picks Mosaic GPU), torch_bridge_mosaic_graph (the captured
+where the table picks Mosaic GPU), jax_markov_mosaic (the configuration the
+native runtime plans, where that is the Mosaic GPU pass: B = 136 / 200's
+partial last tile, which a JAX call does not take by itself),
+torch_bridge_mosaic_graph (the captured
 hook with mosaic=True: the Mosaic GPU block pass, Hopper only) and
 torch_bridge_triton_graph (mosaic=False: the Triton block pass everywhere).
 
@@ -110,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--impls", default=None,
                  help="comma-separated of " + ",".join(ALL_IMPLS) +
                  " (default: all but jax_markov_xla_bias, "
-                 "jax_markov_fused, torch_bridge_mosaic_graph, "
+                 "jax_markov_fused, jax_markov_mosaic, "
+                 "torch_bridge_mosaic_graph, "
                  "torch_bridge_triton_graph and torch_bridge_greedy; the greedy ones only on " +
                  ",".join(common.GREEDY_DEFAULT_SHAPES) + " unless named)")
   p.add_argument("--repeats", type=int, default=None,
@@ -787,6 +791,10 @@ class _JaxFamily:
         if impl == f"jax_markov_{forced}":
           kwargs["method"] = forced
           meta = _jm_kwargs(jm.sample_draft, shape, batch, forced)[1]
+      if impl == "jax_markov_mosaic":
+        cfg = _native_mosaic_config(shape, batch)
+        kwargs["config"] = cfg
+        meta = dict(meta, config=str(cfg), method=cfg.method)
       heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in self.sets]
       calls = [
           (lambda d=d, h=h: jm.sample_draft(d["base"], d["anchors"], h,
@@ -889,6 +897,24 @@ class _JaxFamily:
   def release(self, inputs=False):
     if inputs:
       self.sets = []
+
+
+def _native_mosaic_config(shape, batch):
+  """jax_markov_mosaic's configuration: what the native runtime plans for
+  this batch on this GPU (tuning.choose with hopper=True), where that is
+  the Mosaic GPU pass; else the row is skipped."""
+  from jax_markov import sampler as jm_sampler
+  from jax_markov.kernels import tuning
+  if shape.Vd is not None or shape.dtype != "bfloat16":
+    raise _Skip("the Mosaic GPU pass takes bfloat16, full vocabulary only")
+  if not jm_sampler._mosaic_available():  # noqa: SLF001
+    raise _Skip("no Hopper GPU with Pallas Mosaic GPU")
+  cfg = tuning.choose(None, batch, shape.V, shape.R, interpret=False,
+                      hopper=True, gpu=jm_sampler._gpu_name())  # noqa: SLF001
+  if cfg.method != "mosaic":
+    raise _Skip(f"the native runtime plans the {cfg.method} pass at "
+                f"B = {batch}")
+  return cfg
 
 
 def _jm_kwargs(fn, shape, batch, method=None):

@@ -452,6 +452,18 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert all(c.partial_tiles == (batch % c.block_b != 0) for c in cfgs)
     assert all(c.select_embed for c in cfgs)  # as every Mosaic entry
   assert not list(tune_graph.mosaic_candidates(66))  # not a multiple of 4
+  # The store warpgroup: the Mosaic entry with it, at its own, all and 4
+  # proj chunks in flight; nothing for a Triton entry.
+  for batch in (64, 136, 256):
+    table = tuning.choose("mosaic", batch, 129280, 256, interpret=False,
+                          gpu="NVIDIA H200")
+    cfgs = list(tune_graph.stores_candidates(table))
+    assert cfgs[0] == dataclasses.replace(table, store_warpgroup=True)
+    assert {c.num_stages for c in cfgs} == {table.num_stages, 0, 4}
+    assert all(c.store_warpgroup and c == dataclasses.replace(
+        table, store_warpgroup=True, num_stages=c.num_stages) for c in cfgs)
+  assert not list(tune_graph.stores_candidates(
+      tuning.choose("fused", 64, 129280, 256, interpret=False)))
   assert not list(tune_graph.mosaic_candidates(32))
   for batch in (4, 64):  # the table's tile, other select warps only
     cfgs = list(tune_graph.select_candidates(batch))
@@ -537,6 +549,33 @@ def test_stress_capture_cpu_refusal():
   if not torch.cuda.is_available():
     assert stress_capture.main(["--batches", "4", "--dependent-launch",
                                 "on"]) == 2
+
+
+def test_jax_markov_mosaic_takes_the_native_runtimes_mosaic_plan(
+    monkeypatch):
+  """benchmarks/run.py's jax_markov_mosaic row: the configuration the
+  native runtime plans for the batch on this GPU where it is the Mosaic GPU
+  pass (B = 136's partial last tile, which a JAX call does not take by
+  itself), skipped with a reason elsewhere (here, without a Hopper GPU;
+  with one, at a batch the table gives the Triton pass)."""
+  from benchmarks import run
+  from jax_markov import sampler
+  shape = common.SHAPES["dsv4"]
+  with pytest.raises(run._Skip, match="Hopper"):  # this CPU machine
+    run._native_mosaic_config(shape, 136)
+  monkeypatch.setattr(sampler, "_mosaic_available", lambda: True)
+  monkeypatch.setattr(sampler, "_gpu_name", lambda: "NVIDIA H200")
+  cfg = run._native_mosaic_config(shape, 136)
+  assert cfg == tuning.choose(None, 136, shape.V, shape.R, interpret=False,
+                              hopper=True, gpu="NVIDIA H200")
+  assert (cfg.method, cfg.block_b, cfg.partial_tiles) == ("mosaic", 64, True)
+  # The sampler's own choice there is the Triton pass (sampler._config).
+  assert sampler._config(None, None, 136, shape.V, shape.R, False,
+                         hopper=True).method == "fused"
+  with pytest.raises(run._Skip, match="fused"):
+    run._native_mosaic_config(shape, 64)
+  with pytest.raises(run._Skip, match="bfloat16"):
+    run._native_mosaic_config(common.SHAPES["dsv4r"], 136)
 
 
 def test_block_step_inputs_and_cpu_refusal():
