@@ -110,9 +110,9 @@ FAMILIES = {
     # block pass), to set the table's Mosaic GPU choice beside it in one run.
     "jax_markov_fused": "jax",
     # Not in the defaults: jax_markov with the configuration the native
-    # runtime plans for the batch where that is the Mosaic GPU pass (a
-    # partial last tile at B = 136 / 200, which a JAX call does not take by
-    # itself: sampler._config), beside jax_markov in one run.
+    # runtime plans for the batch where that is the Mosaic GPU pass (B =
+    # 128 on an H200, which a JAX call does not take by itself:
+    # sampler._config), beside jax_markov in one run.
     "jax_markov_mosaic": "jax",
     # Not in the defaults: the captured hook with mosaic=True (the Mosaic GPU
     # block pass where the table has it; Hopper only) and with mosaic=False

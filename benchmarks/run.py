@@ -23,8 +23,8 @@ backbone forward is not timed) for each implementation:
 Not in the defaults, for A/B rows in one run: jax_markov_xla_bias
 (method="xla_bias"), jax_markov_fused (method="fused": the Triton block pass
 where the table picks Mosaic GPU), jax_markov_mosaic (the configuration the
-native runtime plans, where that is the Mosaic GPU pass: B = 136 / 200's
-partial last tile, which a JAX call does not take by itself),
+native runtime plans, where that is the Mosaic GPU pass: below the 256
+bucket a JAX call takes the Triton pass by itself),
 torch_bridge_mosaic_graph (the captured
 hook with mosaic=True: the Mosaic GPU block pass, Hopper only) and
 torch_bridge_triton_graph (mosaic=False: the Triton block pass everywhere).

@@ -444,15 +444,10 @@ def _config(config, method, batch, vocab, rank, interpret, stepwise=False,
   # runtime's captured draft, which takes the H200's B = 128 entry.
   hopper = (hopper and not interpret and _mosaic_available()
             and tuning._batch_bucket(batch) >= JAX_MOSAIC_FROM)  # noqa: SLF001
+  # The rule's partial last tiles (B = 136, 200) included: a JAX call ran
+  # them 12% faster than the Triton pass on an H100 (change 58 (b)).
   config = tuning.choose(method, batch, vocab, rank, interpret=interpret,
                          hopper=hopper, gpu=_gpu_name() if hopper else None)
-  if method is None and config.method == "mosaic" and config.partial_tiles:
-    # Nor where the table's Mosaic choice has a partial last tile (B = 136,
-    # 200): its gain there was measured in the native runtime only (0.04 /
-    # 0.11 ms a draft on an H100, docs/perf-notes.md change 57), of the
-    # order of the custom call's host cost above; the Triton pass, as
-    # before that change, until a JAX call is timed there.
-    config = tuning.choose(method, batch, vocab, rank, interpret=interpret)
   return tuning.stepwise(config) if stepwise else config
 
 

@@ -569,9 +569,9 @@ def test_jax_markov_mosaic_takes_the_native_runtimes_mosaic_plan(
   assert cfg == tuning.choose(None, 136, shape.V, shape.R, interpret=False,
                               hopper=True, gpu="NVIDIA H200")
   assert (cfg.method, cfg.block_b, cfg.partial_tiles) == ("mosaic", 64, True)
-  # The sampler's own choice there is the Triton pass (sampler._config).
+  # A JAX call takes the same plan there by itself (sampler._config).
   assert sampler._config(None, None, 136, shape.V, shape.R, False,
-                         hopper=True).method == "fused"
+                         hopper=True) == cfg
   with pytest.raises(run._Skip, match="fused"):
     run._native_mosaic_config(shape, 64)
   with pytest.raises(run._Skip, match="bfloat16"):

@@ -313,21 +313,33 @@ def test_sampler_lowers_mosaic_block_pass_and_triton_select(B, block_b,
       0 if chunk_passes == 0 else 1)
 
 
-def test_jax_calls_keep_the_triton_pass_at_partial_tiles(monkeypatch):
-  """A JAX call takes the table's Mosaic choice where the batch fills its
-  tiles (B = 192, 256) and keeps the Triton pass where the rule would run
-  a partial last tile (B = 136, 200: measured in the native runtime only,
-  perf-notes change 57); asked for, the Mosaic pass runs partial tiles."""
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_jax_calls_take_the_native_runtimes_mosaic_plan_from_256(
+    monkeypatch, gpu):
+  """A JAX call on Hopper takes what the native runtime plans from the 256
+  bucket up: the table's Mosaic entry where the batch fills its tiles (B =
+  192, 256) and the rule's partial last tile at B = 136 and 200 (12% under
+  the Triton pass in a JAX call on an H100, perf-notes change 58 (b));
+  below the bucket (B = 128, 64) the Triton pass, as the custom call's host
+  cost outweighs the gain there (change 37 (d)); B = 137 (not a multiple
+  of 4) the Triton pass."""
   from jax_markov import sampler
   monkeypatch.setattr(sampler, "_mosaic_available", lambda: True)
+  monkeypatch.setattr(sampler, "_gpu_name", lambda: gpu)
   V, R = DSV4["V"], DSV4["R"]
   pick = lambda B, method=None: sampler._config(  # noqa: SLF001
       None, method, B, V, R, interpret=False, hopper=True)
   assert pick(256).method == pick(192).method == "mosaic"
+  for B in (136, 200, 192, 256):
+    assert pick(B) == tuning.choose(None, B, V, R, interpret=False,
+                                    hopper=True, gpu=gpu)
   for B in (136, 200):
+    assert (pick(B).method, pick(B).block_b, pick(B).partial_tiles) == (
+        "mosaic", 64, True)
+  for B in (64, 128, 137):
     assert pick(B) == tuning.choose(None, B, V, R, interpret=False)
     assert pick(B).method == "fused"
-    assert pick(B, "mosaic").method == "mosaic"
+  assert pick(128, "mosaic").method == "mosaic"
 
 
 @pytest.mark.parametrize("B", [136, 200])
