@@ -145,7 +145,10 @@ class KernelConfig:
       tiles a consumer, so the consumers go on to their next WGMMA instead
       of storing their own rows (kernels/mosaic_block_pass.py;
       docs/perf-notes.md change 58). Same bits. Ignored where the pass
-      stores the cache by TMA (the dense layout's full tiles).
+      stores the cache by TMA (the dense layout's full tiles). Level with
+      the consumers' own stores in the captured draft at B = 64, 128 and
+      256 on an H100 (the stores cost their memory traffic, not the
+      consumers' time): an option, in no table entry.
   """
   method: str = "fused"
   block_b: int = 16

@@ -1008,8 +1008,9 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       warpgroup stores them: each consumer stages a [64, 64] tile into one
       of two shared-memory slots and goes on to its next WGMMA while the
       store warpgroup writes the rows out (the consumers otherwise stop
-      issuing WGMMA for their own stores; docs/perf-notes.md change 58).
-      The same bits either way. Ignored where the cache is stored by TMA.
+      issuing WGMMA for their own stores). The same bits either way.
+      Ignored where the cache is stored by TMA. Level in the captured
+      draft on an H100 (docs/perf-notes.md change 58): off by default.
     _omit: stages to leave out, for timing the rest only (a subset of
       OMITTABLE; the outputs are then wrong): "mma", "cache", "stats".
     _base_slots: base tiles in flight (>= 2; an experiment's knob).
