@@ -237,6 +237,21 @@ def embed_candidates(table: KernelConfig):
     yield dataclasses.replace(table, select_embed=not table.select_embed)
 
 
+def stores_default(batch: int, vocab: int, rank: int, *, hopper: bool,
+                   gpu: str) -> KernelConfig:
+  """The Mosaic entry ``--grid stores`` starts from: the hook's own where
+  that is the Mosaic pass (the rule's partial last tile at B = 136, which
+  the hook would run in place of the bucket's full-tile entry), else the
+  table's Mosaic entry for the bucket (B = 64, where the hook runs the
+  Triton pass)."""
+  hook = tuning.choose(None, batch, vocab, rank, interpret=False,
+                       hopper=hopper, gpu=gpu)
+  if hook.method == "mosaic":
+    return hook
+  return tuning.choose("mosaic", batch, vocab, rank, interpret=False,
+                       hopper=hopper, gpu=gpu)
+
+
 def stores_candidates(table: KernelConfig):
   """The Mosaic GPU entry ``table`` (timed first, as every grid's default)
   with its cache rows stored by a fourth warpgroup (store_warpgroup): at
@@ -485,9 +500,10 @@ def main(argv=None):
                  "mosaic: the Mosaic GPU block pass (mosaic_candidates, "
                  "Hopper); embed: the Mosaic entry with and without the "
                  "select pass writing the next embeddings "
-                 "(embed_candidates); stores: the Mosaic entry with its "
-                 "cache rows stored by a fourth warpgroup "
-                 "(stores_candidates); l2: the table's tile keeping proj rows in L2 "
+                 "(embed_candidates); stores: the Mosaic entry (the "
+                 "hook's where it runs one, else the bucket's; "
+                 "stores_default) with its cache rows stored by a fourth "
+                 "warpgroup (stores_candidates); l2: the table's tile keeping proj rows in L2 "
                  "(l2_candidates); hints: the table's tile with eviction "
                  "hints on base and the cache, then on proj too "
                  "(hints_candidates); rows: all of 2-8 requests in one "
@@ -520,10 +536,13 @@ def main(argv=None):
     # table has one for a Hopper GPU); the grids: their method's entry.
     method = dict(mosaic="mosaic", embed="mosaic", stores="mosaic",
                   table=None).get(args.grid, "fused")
-    default = tuning.choose(
-        method, batch, shape.V, shape.R, interpret=False,
-        hopper=torch.cuda.get_device_capability()[0] == 9,
-        gpu=torch.cuda.get_device_name())
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    gpu = torch.cuda.get_device_name()
+    default = tuning.choose(method, batch, shape.V, shape.R, interpret=False,
+                            hopper=hopper, gpu=gpu)
+    if args.grid == "stores":
+      default = stores_default(batch, shape.V, shape.R, hopper=hopper,
+                               gpu=gpu)
     seen, ref_tokens = [], None
     grid = dict(tiles=candidates, partial=partial_candidates,
                 remainder=lambda b: remainder_candidates(b, shape.V, shape.R),

@@ -455,8 +455,11 @@ def test_tune_graph_candidates_and_cpu_refusal():
   # The store warpgroup: the Mosaic entry with it, at its own, all and 4
   # proj chunks in flight; nothing for a Triton entry.
   for batch in (64, 136, 256):
-    table = tuning.choose("mosaic", batch, 129280, 256, interpret=False,
-                          gpu="NVIDIA H200")
+    table = tune_graph.stores_default(batch, 129280, 256, hopper=True,
+                                      gpu="NVIDIA H200")
+    assert table.method == "mosaic"
+    # At 136 the hook's own plan (the rule's partial last tile).
+    assert table.partial_tiles == (batch == 136)
     cfgs = list(tune_graph.stores_candidates(table))
     assert cfgs[0] == dataclasses.replace(table, store_warpgroup=True)
     assert {c.num_stages for c in cfgs} == {table.num_stages, 0, 4}
