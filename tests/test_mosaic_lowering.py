@@ -258,6 +258,36 @@ def test_store_warpgroup_lowers(B, block_b, block_v, rows):
   assert texts[0] != texts[1]
 
 
+def test_store_warpgroup_plans_fit_everywhere_they_apply():
+  """Every plan with store_warpgroup (B = 64-516 in steps of 4, both tile
+  sizes, both block widths, R = 128-512, state rows or dense): within
+  shared memory with at least two proj chunks in flight, a store
+  warpgroup exactly where rows are stored by warp, never more chunks or
+  fewer staging slots than without it where it applies, and the plan
+  without it otherwise unchanged."""
+  V = DSV4["V"]
+  for B, bb, bv, R, rows in itertools.product(
+      range(64, 520, 4), (64, 128), (64, 128), (128, 256, 512),
+      (False, True)):
+    kw = dict(num_steps=7, block_b=bb, block_v=bv, max_concurrent_steps=None,
+              num_sms=132, row_stores="warp", state_rows=rows)
+    shapes = ((B * 7, V), (B, R), (V, R))
+    try:
+      off = mbp.plan(*shapes, **kw)
+    except ValueError:
+      with pytest.raises(ValueError):
+        mbp.plan(*shapes, store_warpgroup=True, **kw)
+      continue
+    on = mbp.plan(*shapes, store_warpgroup=True, **kw)
+    assert on.store_wg == on.warp_rows == off.warp_rows
+    assert on.smem_bytes <= mbp.SMEM_LIMIT and on.stages >= 2
+    if on.store_wg:
+      assert on.num_wgs == 4 and on.stages <= off.stages
+      assert on.out_slots >= off.out_slots
+    else:
+      assert on == off
+
+
 def test_store_warpgroup_is_ignored_where_tma_stores_the_cache():
   """Dense full tiles store the cache by TMA (asynchronous already): the
   option changes nothing there, nor with the cache stores left out; it
