@@ -360,10 +360,11 @@ def persistent_candidates(batch: int):
 
 
 def captured_draft(shape, batch, inputs, temperature, dependent_launch=None,
-                   mosaic=None):
+                   mosaic=None, l2_persist=False):
   """A native-runtime hook's draft on the synthetic inputs, captured.
 
-  dependent_launch, mosaic: the hook's options (None: its default).
+  dependent_launch, mosaic, l2_persist: the hook's options (None: its
+  default).
 
   Returns:
     (graph, spec, hook): the torch CUDA graph of one hook call (all
@@ -382,7 +383,7 @@ def captured_draft(shape, batch, inputs, temperature, dependent_launch=None,
                                getattr(torch, shape.dtype), runtime="native",
                                buckets=(batch,), check_values=False,
                                dependent_launch=dependent_launch,
-                               mosaic=mosaic)
+                               mosaic=mosaic, l2_persist=l2_persist)
   hook.warmup(spec)
   graph = capture_graph(lambda: hook(spec, batch, spec.head_hidden))
   return graph, spec, hook
@@ -424,15 +425,17 @@ def planned_config(hook, batch: int) -> KernelConfig:
 
 
 def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
-                dependent_launch=None):
+                dependent_launch=None, l2_persist=False):
   """Median ms of one captured draft with ``cfg`` in the table, its tokens
-  and the configuration that ran (:func:`planned_config`)."""
+  and the configuration that ran (:func:`planned_config`). With
+  l2_persist, the hook's persisting-L2 set-aside is released after the
+  timing, so that the next row starts without proj's persisting lines."""
   # The block pass's grid: sampling walks the V target columns, with a
   # reduced vocabulary too.
   mosaic = cfg.method == "mosaic"
   with table_entry(cfg, shape.V, shape.R, batch):
     graph, spec, hook = captured_draft(shape, batch, inputs, temperature,
-                                       dependent_launch, mosaic)
+                                       dependent_launch, mosaic, l2_persist)
     ran = planned_config(hook, batch)
     for _ in range(5):
       graph.replay()
@@ -446,6 +449,7 @@ def time_config(shape, batch, cfg, inputs, temperature, repeats, group,
       b.record()
       torch.cuda.synchronize()
       times.append(a.elapsed_time(b) / group)
+    hook.release_l2()
     return statistics.median(times), spec.draft_tokens[:batch].tolist(), ran
 
 
@@ -521,6 +525,11 @@ def main(argv=None):
                  help="the hook's dependent_launch (auto: its default, on "
                  "for sm_90+ unless $JAX_MARKOV_DEPENDENT_LAUNCH=0); both: "
                  "each configuration off, then on")
+  p.add_argument("--l2-persist", default="off",
+                 choices=("off", "on", "both"),
+                 help="the hook's l2_persist (a persisting-L2 window over "
+                 "proj; torch_bridge/l2_window.py): both: each "
+                 "configuration without, then with it")
   p.add_argument("--seed", action="store_true",
                  help="also time seed_design_graph (the reference design, "
                  "captured) on the same inputs, first and last per batch")
@@ -559,8 +568,11 @@ def main(argv=None):
                 dependents=lambda b: dependents_candidates(b, shape.V,
                                                            shape.R),
                 table=lambda _: ())[args.grid](batch)
-    launches = dict(auto=(None,), on=(True,), off=(False,),
-                    both=(False, True))[args.dependent_launch]
+    launches = [(d, keep) for d in dict(
+        auto=(None,), on=(True,), off=(False,),
+        both=(False, True))[args.dependent_launch]
+                for keep in dict(off=(False,), on=(True,),
+                                 both=(False, True))[args.l2_persist]]
     def seed_row(when):
       try:
         ms = time_seed(shape, batch, inputs, args.temperature, args.repeats,
@@ -580,11 +592,11 @@ def main(argv=None):
       if cfg in seen:
         continue
       seen.append(cfg)
-      for dependent in launches:
+      for dependent, keep in launches:
         try:
           ms, tokens, ran = time_config(shape, batch, cfg, inputs,
                                         args.temperature, args.repeats,
-                                        args.group, dependent)
+                                        args.group, dependent, keep)
         except Exception as e:  # noqa: BLE001 -- a tile that does not build
           print(f"B={batch} {cfg}: {type(e).__name__}: {e}"[:300],
                 flush=True)
@@ -594,7 +606,8 @@ def main(argv=None):
         agree = tokens == ref_tokens
         row = dict(shape=shape.name, batch=batch, ms=ms,
                    default=cfg == default, tokens_agree=agree,
-                   dependent_launch=dependent, config=dataclasses.asdict(ran))
+                   dependent_launch=dependent, l2_persist=keep,
+                   config=dataclasses.asdict(ran))
         if ran != cfg:  # the hook ran another configuration than asked
           row["asked"] = dataclasses.asdict(cfg)
         rows.append(row)
@@ -603,7 +616,8 @@ def main(argv=None):
               # At T > 0 another reduction order moves draws that sit on a
               # CDF boundary: expected; at T = 0 a difference is an error.
               f"{'' if agree else 'TOKENS DIFFER ' if args.temperature == 0 else '(tokens differ, T > 0) '}"
-              f"dependent_launch={dependent} {ran}", flush=True)
+              f"dependent_launch={dependent} "
+              f"{'l2_persist ' if keep else ''}{ran}", flush=True)
       if args.out:  # after every row: a sweep cut short keeps what it timed
         _write(args.out, shape, args.temperature, rows)
     if args.seed:

@@ -98,7 +98,7 @@ class FusedMarkovSampler:
                check_values: bool = False, on_capture: str = "raise",
                cache_dir: str | None = None,
                dependent_launch: bool | None = None,
-               mosaic: bool | None = None):
+               mosaic: bool | None = None, l2_persist: bool = False):
     """Builds the hook.
 
     Args:
@@ -139,6 +139,16 @@ class FusedMarkovSampler:
         $JAX_MARKOV_MOSAIC == "0". At B = 256 it made the captured draft
         0.69 ms against the Triton block pass's 0.82 on an H200
         (docs/perf-notes.md change 36).
+      l2_persist: the native runtime keeps as much of proj as the device's
+        persisting-L2 set-aside holds in L2 across a draft's steps
+        (torch_bridge/l2_window.py): it reserves the set-aside (a device-wide
+        context limit) at the first warmup or draft outside a capture, and
+        sets an access policy window over proj's streamed rows on the
+        stream around each draft's launches. Proj's persisting lines then
+        stay in L2 after the draft, leaving other kernels that much less
+        until :meth:`release_l2`. Same results either way. Off by default:
+        not yet timed (docs/perf-notes.md change 59). The jax runtime
+        ignores it.
 
     The hook owns the scratch its draft uses (statistics, draw parameters,
     tokens): keep it alive as long as any CUDA graph captured with it may be
@@ -172,6 +182,9 @@ class FusedMarkovSampler:
     if not (mosaic is None or isinstance(mosaic, bool)):
       raise ValueError(f"mosaic must be True, False or None, got {mosaic!r}")
     self.mosaic = mosaic
+    if not isinstance(l2_persist, bool):
+      raise ValueError(f"l2_persist must be True or False, got {l2_persist!r}")
+    self.l2_persist = l2_persist
     self.runtime, self.runtime_reason = _choose_runtime(runtime)
     log.info("torch_bridge.FusedMarkovSampler: runtime %r (%s)", self.runtime,
              self.runtime_reason)
@@ -204,6 +217,14 @@ class FusedMarkovSampler:
       self._impl.reset(self._device)
 
   # -- public helpers ---------------------------------------------------------
+
+  def release_l2(self) -> None:
+    """With ``l2_persist``: turns proj's persisting L2 lines back to normal
+    and returns the set-aside to 0 (host calls, not in a capture); the next
+    draft outside a capture reserves it again."""
+    release = getattr(self._impl, "release_l2", None)
+    if release is not None:
+      release()
 
   @property
   def import_count(self) -> int:

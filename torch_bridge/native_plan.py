@@ -216,6 +216,34 @@ def num_blocks(vocab: int, cfg: tuning.KernelConfig) -> int:
   return -(-vocab // cfg.block_v)
 
 
+def held_proj_rows(shape: DraftShape, bucket: int, num_sms: int) -> int:
+  """The leading rows of proj a bucket's draft loads once and keeps on chip
+  (the persistent draft's held blocks: P programs x held_blocks x block_v);
+  the rest streams every step. 0 step by step."""
+  cfg = shape_config(shape, bucket)
+  if cfg.select != "persistent":
+    return 0
+  programs = draft_pass_module.num_programs(cfg, interpret=False,
+                                            num_sms=num_sms)
+  held = min(cfg.held_blocks,
+             num_blocks(shape.grid_vocab, cfg) // programs)
+  return min(held * programs * cfg.block_v, shape.vd)
+
+
+def l2_window_rows(shape: DraftShape, bucket: int,
+                   num_sms: int) -> tuple[int, int]:
+  """(first row, rows) of proj that the hook's l2_persist window covers for
+  a bucket: the rows its kernel already asks L2 to keep (proj_l2_rows, with
+  evict_last hints, and the rest evict_first: B = 1's tail select), else
+  every row it streams every step (all of them, less the persistent
+  draft's held rows)."""
+  cfg = shape_config(shape, bucket)
+  if cfg.proj_l2_rows:
+    return 0, min(cfg.proj_l2_rows, shape.vd)
+  held = held_proj_rows(shape, bucket, num_sms)
+  return held, shape.vd - held
+
+
 def _spec(shape, dtype) -> jax.ShapeDtypeStruct:
   return jax.ShapeDtypeStruct(tuple(shape), _JNP.get(dtype, dtype))
 

@@ -16,6 +16,7 @@ import torch
 
 from torch_bridge import buckets as _buckets
 from torch_bridge import checks
+from torch_bridge import l2_window
 from torch_bridge import modes
 from torch_bridge import native
 from torch_bridge import native_plan
@@ -69,12 +70,54 @@ class NativeRuntime:
     # column map, a sorted proj): kept for the hook's life once captured, so
     # a replay never reads memory freed by a later rebinding or reset.
     self._captured: dict[int, tuple] = {}
+    # l2_persist: the set-aside (reserved outside a capture) and, per
+    # (proj pointer, bucket), the window over the proj rows that stream.
+    self._window: l2_window.Window | None = None
+    self._windows: dict[tuple, tuple[int, int, float]] = {}
 
   def reset(self, device: torch.device) -> None:
     self._plans.clear()
     self._plans_by_key.clear()
     self._bound = None
     self._device = device
+    self._windows.clear()
+
+  def release_l2(self) -> None:
+    if self._window is not None:
+      self._window.release()
+      self._window = None
+
+  def _l2_window(self, bindings: dict, plans, bp: int,
+                 capturing: bool) -> tuple[int, int, float] | None:
+    """(start, bytes, hitRatio) of the window over the proj rows bucket bp
+    keeps in L2 (native_plan.l2_window_rows), reserving the set-aside first
+    where none is."""
+    if not self.hook.l2_persist:
+      return None
+    key = (bindings["proj"], bp)
+    window = self._windows.get(key)
+    if window is not None and self._window is not None:
+      return window
+    if self._window is None and capturing:
+      raise RuntimeError(
+          "l2_persist: the persisting-L2 set-aside is a context limit, which "
+          "a CUDA graph cannot hold: warm the hook up (or draft once) "
+          "outside the capture first")
+    shape = plans.shape
+    elem = torch.empty((), dtype=shape.head_dtype).element_size()
+    row = shape.rank * elem
+    first, rows = native_plan.l2_window_rows(shape, bp, plans.num_sms)
+    lim = l2_window.limits()
+    if self._window is None:
+      # Enough for the bucket that streams the most (none holds rows but
+      # the persistent draft's, which streams less).
+      aside, _, _ = l2_window.plan_window(shape.vd * row, lim)
+      self._window = l2_window.Window(aside)
+    aside, size, ratio = l2_window.plan_window(rows * row, lim,
+                                               self._window.reserved)
+    window = (bindings["proj"] + first * row, size, ratio)
+    self._windows[key] = window
+    return window
 
   def _mosaic(self) -> bool:
     """Whether this device's plans may use the Mosaic GPU block pass."""
@@ -115,10 +158,12 @@ class NativeRuntime:
     return plans
 
   def warmup(self, spec, s_len: int, base_dtype, mode: modes.Mode) -> int:
-    self._bindings(spec, s_len, mode)
+    bindings = self._bindings(spec, s_len, mode)
     plans = self.plans(spec, s_len, base_dtype, mode)
     for bp in self.hook.buckets:
       plans.plan(bp)
+      self._l2_window(bindings, plans, bp,
+                      torch.cuda.is_current_stream_capturing())
     return len(self.hook.buckets)
 
   def _bindings(self, spec, s_len: int, mode: modes.Mode) -> dict:
@@ -182,7 +227,14 @@ class NativeRuntime:
     if (self._done is not None and stream != self._last_stream
         and not capturing):
       stream.wait_event(self._done)
+    window = self._l2_window(bindings, plans, bp, capturing)
+    if window is not None:
+      # The stream's attribute applies to the work enqueued after it: this
+      # draft's launches only (cleared right after them).
+      self._window.set(stream.cuda_stream, *window)
     native.run_plan(launches, bindings, stream.cuda_stream)
+    if window is not None:
+      self._window.clear(stream.cuda_stream)
     spec.draft_tokens[:n, :s_len].copy_(
         plans.tokens[:n * s_len].view(n, s_len))
     if not capturing:  # events recorded in a capture belong to the graph

@@ -1,0 +1,200 @@
+"""The hook's l2_persist: proj kept in L2 by a persisting access policy window.
+
+CPU: the driver structures' layout (cuda.h's CUaccessPolicyWindow inside the
+64-byte CUstreamAttrValue), the window arithmetic, the rows the persistent
+draft holds on chip (which the window leaves out), and the refusals. GPU
+(marked): the draft with the window is the draft without it bit for bit,
+eager and captured; the stream carries no window after a call; the set-aside
+is reserved and released; and a capture keeps the window in the kernel nodes
+of the draft's own launches, not in torch's copy after them.
+"""
+
+import ctypes
+
+import torch_bridge as tb  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE
+
+import pytest
+import torch
+
+from jax_markov.kernels import tuning
+from jax_markov.kernels.draw_params import ParamsLayout
+from torch_bridge import l2_window, native_plan
+from torch_bridge import testing as sd
+from helpers import torch_and_jax_gpu
+
+_GPU = torch_and_jax_gpu()
+MB = 1 << 20
+
+
+def test_driver_structures_match_cuda_h():
+  """CUaccessPolicyWindow: base_ptr, num_bytes, hitRatio, hitProp, missProp
+  (8 + 8 + 4 + 4 + 4, padded to 32 bytes), at the start of the 64-byte
+  union every CUstreamAttrValue / CUlaunchAttributeValue is."""
+  w = l2_window.AccessPolicyWindow
+  assert [getattr(w, f).offset for f in ("base_ptr", "num_bytes", "hitRatio",
+                                         "hitProp", "missProp")] == [
+                                             0, 8, 16, 20, 24]
+  assert ctypes.sizeof(w) == 32
+  assert ctypes.sizeof(l2_window.StreamAttrValue) == 64
+  v = l2_window.window_value(0x7000_0000_0000, 48 * MB, 0.75)
+  raw = bytes(v)
+  assert int.from_bytes(raw[0:8], "little") == 0x7000_0000_0000
+  assert int.from_bytes(raw[8:16], "little") == 48 * MB
+  assert ctypes.c_float.from_buffer_copy(raw[16:20]).value == 0.75
+  assert int.from_bytes(raw[20:24], "little") == 2  # persisting
+  assert int.from_bytes(raw[24:28], "little") == 1  # streaming
+  assert raw[32:] == bytes(32)
+  none = bytes(l2_window.window_value(0, 0, 0.0))
+  assert none[:20] == bytes(20)
+  with pytest.raises(ValueError, match="hit_ratio"):
+    l2_window.window_value(1, 1, 1.5)
+
+
+def test_plan_window():
+  """The window: at most the device's largest; the set-aside at most its
+  largest persisting size (or what was reserved); the hit ratio the share
+  of the window the set-aside holds (1 where it holds all of it)."""
+  lim = l2_window.Limits(l2=50 * MB, max_persisting=30 * MB,
+                         max_window=128 * MB)
+  assert l2_window.plan_window(66 * MB, lim) == (30 * MB, 66 * MB,
+                                                 pytest.approx(30 / 66))
+  assert l2_window.plan_window(20 * MB, lim) == (20 * MB, 20 * MB, 1.0)
+  aside, size, ratio = l2_window.plan_window(66 * MB, lim, reserve=12 * MB)
+  assert (aside, size) == (12 * MB, 66 * MB)
+  assert ratio == pytest.approx(12 / 66)
+  small = l2_window.Limits(l2=50 * MB, max_persisting=30 * MB,
+                           max_window=32 * MB)
+  assert l2_window.plan_window(66 * MB, small)[1:] == (32 * MB, 30 / 32)
+  assert l2_window.plan_window(0, lim) == (0, 0, 0.0)
+  none = l2_window.Limits(l2=4 * MB, max_persisting=0, max_window=0)
+  assert l2_window.plan_window(66 * MB, none) == (0, 0, 0.0)
+
+
+def _shape(m=256, s=7, v=129280, r=256):
+  words = (("idx", m * s), ("pos", 2 * m * s), ("seeds", 2 * m),
+           ("ids", m * s + 4), ("anchor_idx", 2 * m))
+  return native_plan.DraftShape(
+      max_num_reqs=m, steps=s, vocab=v, rank=r, vocab_in=v,
+      base_dtype=torch.bfloat16, head_dtype=torch.bfloat16,
+      temperature_dtype=torch.float32, words=words,
+      layout=ParamsLayout(pos_wide=True))
+
+
+def test_window_rows(monkeypatch):
+  """The window covers the proj rows a bucket's kernels keep in L2 or
+  stream: B = 1's tail select asks L2 to keep its first proj_l2_rows rows
+  (evict_last; the rest evict_first): those; a step-by-step bucket, every
+  row; a persistent draft holding blocks on chip (P x held_blocks x block_v
+  leading rows, loaded once), the rows after them."""
+  shape = _shape()
+  b1 = native_plan.shape_config(shape, 1)
+  assert b1.proj_l2_rows > 0  # the table's B = 1 entry
+  assert native_plan.l2_window_rows(shape, 1, 132) == (0, b1.proj_l2_rows)
+  for bucket in (4, 16, 64, 256):
+    assert native_plan.shape_config(shape, bucket).proj_l2_rows == 0
+    assert native_plan.l2_window_rows(shape, bucket, 132) == (0, shape.vd)
+    assert native_plan.held_proj_rows(shape, bucket, 132) == 0
+  persistent = tuning.KernelConfig(method="fused", block_b=1, block_v=128,
+                                   block_k=64, bias_dot="fma",
+                                   select="persistent", held_blocks=2)
+  monkeypatch.setattr(native_plan, "shape_config",
+                      lambda shape, bucket: persistent)
+  held = native_plan.held_proj_rows(shape, 1, 132)
+  assert held == 2 * 132 * 128
+  assert native_plan.l2_window_rows(shape, 1, 132) == (held,
+                                                       shape.vd - held)
+  many = tuning.KernelConfig(method="fused", block_b=1, block_v=128,
+                             block_k=64, bias_dot="fma", select="persistent",
+                             held_blocks=100)  # more than a program has
+  monkeypatch.setattr(native_plan, "shape_config",
+                      lambda shape, bucket: many)
+  assert native_plan.held_proj_rows(shape, 1, 132) == (
+      (-(-shape.vocab // 128) // 132) * 132 * 128)
+
+
+def test_hook_refuses_a_non_bool_and_needs_a_driver():
+  with pytest.raises(ValueError, match="l2_persist"):
+    tb.FusedMarkovSampler(8, 96, 8, "float32", runtime="jax", l2_persist=1)
+  hook = tb.FusedMarkovSampler(8, 96, 8, "float32", runtime="jax",
+                               l2_persist=True)
+  assert hook.l2_persist
+  hook.release_l2()  # the jax runtime keeps no window: nothing to release
+  try:
+    ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    with pytest.raises(RuntimeError, match="driver library"):
+      l2_window.limits()
+
+
+def _sampler(spec, **kw):
+  w2 = spec.model.model.markov_head.markov_w2.weight
+  return tb.FusedMarkovSampler(spec.max_num_reqs, spec.vocab, w2.shape[1],
+                               w2.dtype, runtime="native", **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
+def test_gpu_l2_persist_is_the_plain_draft_bit_for_bit():
+  """DeepSeek-V4 shape, B = 1 (the persistent draft), 16 and 64: the hook
+  with l2_persist writes the tokens and the cache of the hook without it,
+  eager and captured; no window is left on the stream; a capture records
+  the window (over proj's streamed rows) in the draft's own kernel nodes;
+  release_l2 returns the set-aside to 0."""
+  pytest.importorskip("triton")
+  lim = l2_window.limits()
+  if lim.max_persisting <= 0:
+    pytest.skip("this device has no persisting L2 set-aside")
+  m, s, v, r, buckets = 64, 7, 129280, 256, (1, 16, 64)
+  spec = sd.SpeculatorDouble(max_num_reqs=m, num_steps=s, vocab=v, rank=r,
+                             hidden=64, dtype=torch.bfloat16, device="cuda")
+  plain = _sampler(spec, buckets=buckets)
+  kept = _sampler(spec, buckets=buckets, l2_persist=True)
+  plain.warmup(spec)
+  kept.warmup(spec)
+  window = kept._impl._window  # noqa: SLF001
+  assert 0 < window.reserved <= lim.max_persisting
+  proj = spec.model.model.markov_head.markov_w2.weight
+  stream = torch.cuda.current_stream()
+  for n in (1, 16, 64):
+    hidden = spec.prepare(n, greedy=(0,))
+    tokens0 = spec.draft_tokens.clone()
+    cache0 = spec.draft_logits.values.clone()
+    assert plain(spec, n, hidden)
+    torch.cuda.synchronize()
+    want = (spec.draft_tokens.clone(), spec.draft_logits.values.clone())
+    spec.draft_tokens.copy_(tokens0)
+    spec.draft_logits.values.copy_(cache0)
+    assert kept(spec, n, hidden)
+    torch.cuda.synchronize()
+    assert torch.equal(spec.draft_tokens, want[0])
+    assert torch.equal(spec.draft_logits.values, want[1])
+    assert window.get(stream.cuda_stream).num_bytes == 0
+    start, size, ratio = kept._impl._windows[  # noqa: SLF001
+        (proj.data_ptr(), n)]
+    assert proj.data_ptr() <= start < proj.data_ptr() + proj.nbytes
+    assert 0 < size <= proj.nbytes and 0 < ratio <= 1
+
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+      with torch.cuda.graph(graph, stream=side):
+        assert kept(spec, n, hidden)
+    windows = l2_window.graph_kernel_windows(int(graph.raw_cuda_graph()))
+    marked = [w for w in windows if w[1]]
+    # The draft's kernels carry the window, torch's token copy after them
+    # does not.
+    assert marked, f"the capture kept no window: {windows}"
+    assert len(marked) < len(windows)
+    for base, num_bytes, hit_ratio, hit in marked:
+      assert (base, num_bytes, hit) == (start, size, 2)
+      assert hit_ratio == pytest.approx(ratio)
+    graph.instantiate()
+    spec.draft_tokens.copy_(tokens0)
+    spec.draft_logits.values.copy_(cache0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(spec.draft_tokens, want[0])
+    assert torch.equal(spec.draft_logits.values, want[1])
+  kept.release_l2()
+  assert kept._impl._window is None  # noqa: SLF001

@@ -1,0 +1,233 @@
+"""Keeping proj in L2 across a draft's steps: CUDA's persisting-L2 window.
+
+Every step of a draft reads all of proj ([V, R] bf16: 66 MB at the
+DeepSeek-V4 shape), more than the 50 MB L2 of an H100 / H200, so each step
+streams most of it from HBM again (docs/perf-notes.md, "The block pass at B =
+1 to 16"). Eviction hints on the loads gave ~8 MB a step more from L2
+(change 22); a reservation is what the hardware offers beyond that: the
+context's persisting-L2 set-aside (``cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)``,
+device-wide) and an access policy window on the stream that marks a fraction
+(``hitRatio``) of the lines of one address range persisting, the rest
+streaming. Persisting lines are evicted only by other persisting lines, so
+the same part of proj stays in L2 from one step to the next.
+
+This module is the driver API through ctypes (libcuda, which every CUDA
+driver installs; triton loads it the same way), so that it needs no CUDA
+toolkit and works on torch's current context and stream:
+
+* :func:`limits` reads the device's maximum set-aside and window size;
+* :class:`Window` reserves the set-aside once (not capturable: before a
+  capture) and sets / clears the window on a stream around launches
+  (``cuStreamSetAttribute``: not a stream operation, so it does not
+  synchronise; whether a CUDA graph captured meanwhile keeps the window in
+  its kernel nodes is what tests/test_native.py's GPU test checks).
+
+Costs: the set-aside is the context's for as long as it is set, and proj's
+persisting lines stay in L2 after the draft, so other kernels' normal
+accesses have that much less L2 until :meth:`Window.release` (which also
+returns the limit to 0).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+
+# cuda.h
+CU_LIMIT_PERSISTING_L2_CACHE_SIZE = 0x06
+CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE = 38
+CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE = 108
+CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE = 109
+CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
+CU_ACCESS_PROPERTY_NORMAL = 0
+CU_ACCESS_PROPERTY_STREAMING = 1
+CU_ACCESS_PROPERTY_PERSISTING = 2
+
+
+class AccessPolicyWindow(ctypes.Structure):
+  """CUaccessPolicyWindow."""
+  _fields_ = [("base_ptr", ctypes.c_void_p), ("num_bytes", ctypes.c_size_t),
+              ("hitRatio", ctypes.c_float), ("hitProp", ctypes.c_int),
+              ("missProp", ctypes.c_int)]
+
+
+class StreamAttrValue(ctypes.Union):
+  """CUstreamAttrValue (CUlaunchAttributeValue: a 64-byte union)."""
+  _fields_ = [("pad", ctypes.c_char * 64),
+              ("accessPolicyWindow", AccessPolicyWindow)]
+
+
+@functools.lru_cache(maxsize=None)
+def _driver():
+  """libcuda, or RuntimeError saying why not."""
+  try:
+    lib = ctypes.CDLL("libcuda.so.1")
+  except OSError as e:
+    raise RuntimeError(f"the CUDA driver library is not loadable ({e})") from e
+  for name, args in (
+      ("cuCtxSetLimit", (ctypes.c_int, ctypes.c_size_t)),
+      ("cuCtxGetLimit", (ctypes.POINTER(ctypes.c_size_t), ctypes.c_int)),
+      ("cuCtxGetDevice", (ctypes.POINTER(ctypes.c_int),)),
+      ("cuDeviceGetAttribute", (ctypes.POINTER(ctypes.c_int), ctypes.c_int,
+                                ctypes.c_int)),
+      ("cuStreamSetAttribute", (ctypes.c_void_p, ctypes.c_int,
+                                ctypes.POINTER(StreamAttrValue))),
+      ("cuStreamGetAttribute", (ctypes.c_void_p, ctypes.c_int,
+                                ctypes.POINTER(StreamAttrValue))),
+      ("cuCtxResetPersistingL2Cache", ()),
+      ("cuGraphGetNodes", (ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p),
+                           ctypes.POINTER(ctypes.c_size_t))),
+      ("cuGraphNodeGetType", (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))),
+      ("cuGraphKernelNodeGetAttribute", (ctypes.c_void_p, ctypes.c_int,
+                                         ctypes.POINTER(StreamAttrValue)))):
+    fn = getattr(lib, name)
+    fn.argtypes = args
+    fn.restype = ctypes.c_int
+  return lib
+
+
+def _check(result: int, what: str) -> None:
+  if result != 0:
+    raise RuntimeError(f"{what} failed with CUresult {result}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+  """What the current context's device allows, in bytes."""
+  l2: int               # the L2 cache
+  max_persisting: int   # the largest set-aside for persisting lines
+  max_window: int       # the largest access policy window
+
+
+def limits() -> Limits:
+  """The limits of the current context's device (torch.cuda initialised
+  and its device current). Raises RuntimeError without a driver."""
+  lib = _driver()
+  dev = ctypes.c_int()
+  _check(lib.cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
+  out = []
+  for attr in (CU_DEVICE_ATTRIBUTE_L2_CACHE_SIZE,
+               CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE,
+               CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE):
+    v = ctypes.c_int()
+    _check(lib.cuDeviceGetAttribute(ctypes.byref(v), attr, dev),
+           f"cuDeviceGetAttribute({attr})")
+    out.append(v.value)
+  return Limits(*out)
+
+
+def window_value(base_ptr: int, num_bytes: int, hit_ratio: float,
+                 hit: int = CU_ACCESS_PROPERTY_PERSISTING,
+                 miss: int = CU_ACCESS_PROPERTY_STREAMING) -> StreamAttrValue:
+  """The stream attribute value of one window (num_bytes 0: none)."""
+  if not 0.0 <= hit_ratio <= 1.0:
+    raise ValueError(f"hit_ratio must be in [0, 1], got {hit_ratio}")
+  value = StreamAttrValue()
+  value.accessPolicyWindow = AccessPolicyWindow(
+      ctypes.c_void_p(base_ptr or None), num_bytes, hit_ratio, hit, miss)
+  return value
+
+
+def plan_window(num_bytes: int, lim: Limits,
+                reserve: int | None = None) -> tuple[int, int, float]:
+  """(set-aside, window bytes, hitRatio) for keeping num_bytes from a
+  window's start in L2: the window is at most the device's largest, the
+  set-aside at most its largest persisting size (or ``reserve``), and the
+  hit ratio the share of the window that fits in the set-aside, so that
+  persisting lines do not evict each other."""
+  if num_bytes <= 0:
+    return 0, 0, 0.0
+  window = min(num_bytes, lim.max_window)
+  aside = min(window, lim.max_persisting if reserve is None
+              else min(reserve, lim.max_persisting))
+  if aside <= 0:
+    return 0, 0, 0.0
+  return aside, window, min(1.0, aside / window)
+
+
+CU_GRAPH_NODE_TYPE_KERNEL = 0
+CU_KERNEL_NODE_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
+
+
+def graph_kernel_windows(graph: int) -> list[tuple[int, int, float, int]]:
+  """(base_ptr, num_bytes, hitRatio, hitProp) of each kernel node's access
+  policy window in a CUDA graph (a CUgraph as an int: torch's
+  ``CUDAGraph(keep_graph=True).raw_cuda_graph()``), in the graph's node
+  order; num_bytes 0 where a node has none. What tells whether a capture
+  kept the stream's window in the kernels it recorded."""
+  lib = _driver()
+  count = ctypes.c_size_t()
+  _check(lib.cuGraphGetNodes(ctypes.c_void_p(graph), None,
+                             ctypes.byref(count)), "cuGraphGetNodes")
+  nodes = (ctypes.c_void_p * count.value)()
+  _check(lib.cuGraphGetNodes(ctypes.c_void_p(graph), nodes,
+                             ctypes.byref(count)), "cuGraphGetNodes")
+  out = []
+  for node in nodes:
+    kind = ctypes.c_int()
+    _check(lib.cuGraphNodeGetType(node, ctypes.byref(kind)),
+           "cuGraphNodeGetType")
+    if kind.value != CU_GRAPH_NODE_TYPE_KERNEL:
+      continue
+    value = StreamAttrValue()
+    _check(lib.cuGraphKernelNodeGetAttribute(
+        node, CU_KERNEL_NODE_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+        ctypes.byref(value)), "cuGraphKernelNodeGetAttribute")
+    w = value.accessPolicyWindow
+    out.append((w.base_ptr or 0, w.num_bytes, w.hitRatio, w.hitProp))
+  return out
+
+
+class Window:
+  """Reserves a persisting-L2 set-aside and sets one window on streams.
+
+  Built where torch's device is current, outside any capture (the limit is
+  a context setting, which a CUDA graph cannot hold).
+  """
+
+  def __init__(self, reserve: int):
+    lib = _driver()
+    self._lib = lib
+    self.reserved = 0
+    if reserve > 0:
+      _check(lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, reserve),
+             "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)")
+      got = ctypes.c_size_t()
+      _check(lib.cuCtxGetLimit(ctypes.byref(got),
+                               CU_LIMIT_PERSISTING_L2_CACHE_SIZE),
+             "cuCtxGetLimit(PERSISTING_L2_CACHE_SIZE)")
+      # The driver rounds the set-aside to its granularity.
+      self.reserved = int(got.value)
+
+  def set(self, stream: int, base_ptr: int, num_bytes: int,
+          hit_ratio: float) -> None:
+    """Marks [base_ptr, base_ptr + num_bytes) on ``stream`` (a
+    cudaStream_t as an int): hit_ratio of its lines persisting, the rest
+    streaming, for the work enqueued after this call."""
+    value = window_value(base_ptr, num_bytes, hit_ratio)
+    _check(self._lib.cuStreamSetAttribute(
+        ctypes.c_void_p(stream), CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+        ctypes.byref(value)), "cuStreamSetAttribute(ACCESS_POLICY_WINDOW)")
+
+  def get(self, stream: int) -> AccessPolicyWindow:
+    """The window set on ``stream`` now."""
+    value = StreamAttrValue()
+    _check(self._lib.cuStreamGetAttribute(
+        ctypes.c_void_p(stream), CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+        ctypes.byref(value)), "cuStreamGetAttribute(ACCESS_POLICY_WINDOW)")
+    return value.accessPolicyWindow
+
+  def clear(self, stream: int) -> None:
+    """No window on ``stream`` for the work enqueued after this call."""
+    self.set(stream, 0, 0, 0.0)
+
+  def release(self) -> None:
+    """Every persisting line back to normal and the set-aside to 0 (host
+    calls: not in a capture)."""
+    _check(self._lib.cuCtxResetPersistingL2Cache(),
+           "cuCtxResetPersistingL2Cache")
+    if self.reserved:
+      _check(self._lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0),
+             "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE, 0)")
+      self.reserved = 0
