@@ -135,11 +135,12 @@ def _sampler(spec, **kw):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _GPU, reason="needs a CUDA GPU for torch and JAX")
 def test_gpu_l2_persist_is_the_plain_draft_bit_for_bit():
-  """DeepSeek-V4 shape, B = 1 (the persistent draft), 16 and 64: the hook
-  with l2_persist writes the tokens and the cache of the hook without it,
-  eager and captured; no window is left on the stream; a capture records
-  the window (over proj's streamed rows) in the draft's own kernel nodes;
-  release_l2 returns the set-aside to 0."""
+  """DeepSeek-V4 shape, B = 1 (the tail select's kept rows), 16 and 64, on
+  a side stream (as an engine drafts): the hook with l2_persist writes the
+  tokens and the cache of the hook without it, eager and captured; the
+  window is set and no window is left on the stream after a call; a
+  capture records the window in the draft's own kernel nodes and not in
+  torch's copy after them; release_l2 drops the set-aside."""
   pytest.importorskip("triton")
   lim = l2_window.limits()
   if lim.max_persisting <= 0:
@@ -152,20 +153,26 @@ def test_gpu_l2_persist_is_the_plain_draft_bit_for_bit():
   plain.warmup(spec)
   kept.warmup(spec)
   window = kept._impl._window  # noqa: SLF001
-  assert 0 < window.reserved <= lim.max_persisting
+  assert 0 < window.reserved
+  print(f"limits {lim}, set-aside {window.reserved} bytes")
   proj = spec.model.model.markov_head.markov_w2.weight
-  stream = torch.cuda.current_stream()
+  stream = torch.cuda.Stream()
   for n in (1, 16, 64):
     hidden = spec.prepare(n, greedy=(0,))
     tokens0 = spec.draft_tokens.clone()
     cache0 = spec.draft_logits.values.clone()
-    assert plain(spec, n, hidden)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+      assert plain(spec, n, hidden)
     torch.cuda.synchronize()
     want = (spec.draft_tokens.clone(), spec.draft_logits.values.clone())
     spec.draft_tokens.copy_(tokens0)
     spec.draft_logits.values.copy_(cache0)
-    assert kept(spec, n, hidden)
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+      assert kept(spec, n, hidden)
     torch.cuda.synchronize()
+    assert stream.cuda_stream not in kept._impl._no_window  # noqa: SLF001
     assert torch.equal(spec.draft_tokens, want[0])
     assert torch.equal(spec.draft_logits.values, want[1])
     assert window.get(stream.cuda_stream).num_bytes == 0
@@ -180,6 +187,7 @@ def test_gpu_l2_persist_is_the_plain_draft_bit_for_bit():
     with torch.cuda.stream(side):
       with torch.cuda.graph(graph, stream=side):
         assert kept(spec, n, hidden)
+    torch.cuda.synchronize()
     windows = l2_window.graph_kernel_windows(int(graph.raw_cuda_graph()))
     marked = [w for w in windows if w[1]]
     # The draft's kernels carry the window, torch's token copy after them
@@ -196,5 +204,34 @@ def test_gpu_l2_persist_is_the_plain_draft_bit_for_bit():
     torch.cuda.synchronize()
     assert torch.equal(spec.draft_tokens, want[0])
     assert torch.equal(spec.draft_logits.values, want[1])
+  previous = window._previous  # noqa: SLF001 -- the limit before the hook's
   kept.release_l2()
   assert kept._impl._window is None  # noqa: SLF001
+  assert l2_window.Window(0).reserved == previous  # restored, not lowered
+
+
+def test_runtime_drafts_without_the_window_where_a_stream_refuses_it():
+  """Where the driver refuses the window on a stream, the native runtime
+  warns once for that stream and drafts without it (the same results: it
+  is a cache policy); without l2_persist it never asks for one."""
+  from torch_bridge import native_runtime
+
+  class Refusing:
+    calls = 0
+
+    def set(self, *args):
+      Refusing.calls += 1
+      raise RuntimeError("cuStreamSetAttribute(ACCESS_POLICY_WINDOW) failed "
+                         "with CUresult 400")
+
+  hook = tb.FusedMarkovSampler(8, 96, 8, "float32", runtime="jax",
+                               l2_persist=True)
+  rt = native_runtime.NativeRuntime(hook, None)
+  rt._window = Refusing()  # noqa: SLF001
+  with pytest.warns(RuntimeWarning, match="drafting without it"):
+    assert rt._set_window(0, (1, 2, 0.5)) is None  # noqa: SLF001
+  assert rt._set_window(0, (1, 2, 0.5)) is None  # noqa: SLF001 -- no retry
+  assert Refusing.calls == 1
+  plain = tb.FusedMarkovSampler(8, 96, 8, "float32", runtime="jax")
+  assert native_runtime.NativeRuntime(plain, None)._l2_window(  # noqa: SLF001
+      {}, None, 1, False) is None

@@ -219,9 +219,10 @@ class FusedMarkovSampler:
   # -- public helpers ---------------------------------------------------------
 
   def release_l2(self) -> None:
-    """With ``l2_persist``: turns proj's persisting L2 lines back to normal
-    and returns the set-aside to 0 (host calls, not in a capture); the next
-    draft outside a capture reserves it again."""
+    """With ``l2_persist``: turns the context's persisting L2 lines (proj's)
+    back to normal and the set-aside back to what it was before the hook
+    reserved it (host calls, not in a capture); the next draft outside a
+    capture reserves it again."""
     release = getattr(self._impl, "release_l2", None)
     if release is not None:
       release()

@@ -20,12 +20,12 @@ toolkit and works on torch's current context and stream:
   capture) and sets / clears the window on a stream around launches
   (``cuStreamSetAttribute``: not a stream operation, so it does not
   synchronise; whether a CUDA graph captured meanwhile keeps the window in
-  its kernel nodes is what tests/test_native.py's GPU test checks).
+  its kernel nodes is what tests/test_l2_window.py's GPU test checks).
 
 Costs: the set-aside is the context's for as long as it is set, and proj's
 persisting lines stay in L2 after the draft, so other kernels' normal
 accesses have that much less L2 until :meth:`Window.release` (which also
-returns the limit to 0).
+returns the limit to what it was).
 """
 
 from __future__ import annotations
@@ -189,16 +189,20 @@ class Window:
   def __init__(self, reserve: int):
     lib = _driver()
     self._lib = lib
-    self.reserved = 0
-    if reserve > 0:
+    self._previous = self._limit()
+    self.reserved = self._previous
+    if reserve > self._previous:  # never lower what another part set
       _check(lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, reserve),
              "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)")
-      got = ctypes.c_size_t()
-      _check(lib.cuCtxGetLimit(ctypes.byref(got),
-                               CU_LIMIT_PERSISTING_L2_CACHE_SIZE),
-             "cuCtxGetLimit(PERSISTING_L2_CACHE_SIZE)")
       # The driver rounds the set-aside to its granularity.
-      self.reserved = int(got.value)
+      self.reserved = self._limit()
+
+  def _limit(self) -> int:
+    got = ctypes.c_size_t()
+    _check(self._lib.cuCtxGetLimit(ctypes.byref(got),
+                                   CU_LIMIT_PERSISTING_L2_CACHE_SIZE),
+           "cuCtxGetLimit(PERSISTING_L2_CACHE_SIZE)")
+    return int(got.value)
 
   def set(self, stream: int, base_ptr: int, num_bytes: int,
           hit_ratio: float) -> None:
@@ -223,11 +227,13 @@ class Window:
     self.set(stream, 0, 0, 0.0)
 
   def release(self) -> None:
-    """Every persisting line back to normal and the set-aside to 0 (host
-    calls: not in a capture)."""
+    """Every persisting line of the context back to normal, and the
+    set-aside back to what it was before this window (host calls: not in a
+    capture)."""
     _check(self._lib.cuCtxResetPersistingL2Cache(),
            "cuCtxResetPersistingL2Cache")
-    if self.reserved:
-      _check(self._lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0),
-             "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE, 0)")
-      self.reserved = 0
+    if self.reserved != self._previous:
+      _check(self._lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE,
+                                     self._previous),
+             "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)")
+    self.reserved = self._previous

@@ -12,6 +12,8 @@ be captured in a torch CUDA graph and replayed.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from torch_bridge import buckets as _buckets
@@ -74,6 +76,8 @@ class NativeRuntime:
     # (proj pointer, bucket), the window over the proj rows that stream.
     self._window: l2_window.Window | None = None
     self._windows: dict[tuple, tuple[int, int, float]] = {}
+    # Streams the window could not be set on (warned once each).
+    self._no_window: set[int] = set()
 
   def reset(self, device: torch.device) -> None:
     self._plans.clear()
@@ -107,12 +111,13 @@ class NativeRuntime:
     elem = torch.empty((), dtype=shape.head_dtype).element_size()
     row = shape.rank * elem
     first, rows = native_plan.l2_window_rows(shape, bp, plans.num_sms)
-    lim = l2_window.limits()
-    if self._window is None:
-      # Enough for the bucket that streams the most (none holds rows but
-      # the persistent draft's, which streams less).
-      aside, _, _ = l2_window.plan_window(shape.vd * row, lim)
-      self._window = l2_window.Window(aside)
+    # The driver calls act on the current context: this device's.
+    with torch.cuda.device(self._device):
+      lim = l2_window.limits()
+      if self._window is None:
+        # Enough for all of proj (no bucket's window is larger).
+        aside, _, _ = l2_window.plan_window(shape.vd * row, lim)
+        self._window = l2_window.Window(aside)
     aside, size, ratio = l2_window.plan_window(rows * row, lim,
                                                self._window.reserved)
     window = (bindings["proj"] + first * row, size, ratio)
@@ -156,6 +161,22 @@ class NativeRuntime:
                                      self.hook.dependent_launch)
       self._plans[shape] = plans
     return plans
+
+  def _set_window(self, stream: int, window: tuple) -> tuple | None:
+    """Sets the window on ``stream``; where the driver refuses it (the
+    legacy default stream may not take stream attributes), one warning for
+    the stream and the draft runs without it (the same results)."""
+    if stream in self._no_window:
+      return None
+    try:
+      self._window.set(stream, *window)
+    except RuntimeError as e:
+      self._no_window.add(stream)
+      warnings.warn(f"torch_bridge: l2_persist could not set the L2 window "
+                    f"on stream {stream:#x} ({e}); drafting without it there",
+                    RuntimeWarning, stacklevel=4)
+      return None
+    return window
 
   def warmup(self, spec, s_len: int, base_dtype, mode: modes.Mode) -> int:
     bindings = self._bindings(spec, s_len, mode)
@@ -231,7 +252,7 @@ class NativeRuntime:
     if window is not None:
       # The stream's attribute applies to the work enqueued after it: this
       # draft's launches only (cleared right after them).
-      self._window.set(stream.cuda_stream, *window)
+      window = self._set_window(stream.cuda_stream, window)
     native.run_plan(launches, bindings, stream.cuda_stream)
     if window is not None:
       self._window.clear(stream.cuda_stream)
