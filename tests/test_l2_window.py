@@ -156,6 +156,28 @@ def test_gpu_l2_persist_is_the_plain_draft_bit_for_bit():
   assert 0 < window.reserved
   print(f"limits {lim}, set-aside {window.reserved} bytes")
   proj = spec.model.model.markov_head.markov_w2.weight
+  # What stream capture keeps of a stream's window by itself (printed: the
+  # driver's choice), and Window.mark_captured setting it on the node.
+  x = torch.ones(1 << 20, device="cuda")
+  side = torch.cuda.Stream()
+  found = []
+  for mark in (False, True):
+    probe = torch.cuda.CUDAGraph(keep_graph=True)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+      with torch.cuda.graph(probe, stream=side):
+        window.set(side.cuda_stream, x.data_ptr(), x.nbytes, 0.5)
+        x.mul_(2)
+        if mark:
+          assert window.mark_captured(side.cuda_stream, x.data_ptr(),
+                                      x.nbytes, 0.5) == 1
+        window.clear(side.cuda_stream)
+    found.append(l2_window.graph_kernel_windows(int(probe.raw_cuda_graph())))
+  print(f"a capture keeps the stream's window by itself: {found[0]}")
+  (got,) = found[1]
+  assert got[:2] == (x.data_ptr(), x.nbytes) and got[3] == 2
+  assert got[2] == pytest.approx(0.5)
+  assert window.mark_captured(side.cuda_stream, 0, 0, 0.0) == 0  # not capturing
   stream = torch.cuda.Stream()
   for n in (1, 16, 64):
     hidden = spec.prepare(n, greedy=(0,))
@@ -232,6 +254,27 @@ def test_runtime_drafts_without_the_window_where_a_stream_refuses_it():
     assert rt._set_window(0, (1, 2, 0.5)) is None  # noqa: SLF001
   assert rt._set_window(0, (1, 2, 0.5)) is None  # noqa: SLF001 -- no retry
   assert Refusing.calls == 1
+
+  class Launch:
+    count = 0
+
+    def __call__(self, bindings, stream):
+      Launch.count += 1
+
+  class RefusingNodes:
+    calls = 0
+
+    def mark_captured(self, *args):
+      RefusingNodes.calls += 1
+      raise RuntimeError("cuGraphKernelNodeSetAttribute failed with "
+                         "CUresult 1")
+
+  rt._window = RefusingNodes()  # noqa: SLF001
+  with pytest.warns(RuntimeWarning, match="the graph keeps the stream's"):
+    rt._run_marked([Launch(), Launch()], {}, 5, (1, 2, 0.5))  # noqa: SLF001
+  rt._run_marked([Launch()], {}, 5, (1, 2, 0.5))  # noqa: SLF001 -- no retry
+  assert (Launch.count, RefusingNodes.calls) == (3, 1)
+  assert 5 not in rt._no_window  # noqa: SLF001 -- eager drafts keep theirs
   plain = tb.FusedMarkovSampler(8, 96, 8, "float32", runtime="jax")
   assert native_runtime.NativeRuntime(plain, None)._l2_window(  # noqa: SLF001
       {}, None, 1, False) is None

@@ -19,8 +19,9 @@ toolkit and works on torch's current context and stream:
 * :class:`Window` reserves the set-aside once (not capturable: before a
   capture) and sets / clears the window on a stream around launches
   (``cuStreamSetAttribute``: not a stream operation, so it does not
-  synchronise; whether a CUDA graph captured meanwhile keeps the window in
-  its kernel nodes is what tests/test_l2_window.py's GPU test checks).
+  synchronise), and under a capture also sets it on the kernel nodes the
+  capture records (:meth:`Window.mark_captured`), so that a CUDA graph
+  holds it whether or not stream capture copies the stream's attribute.
 
 Costs: the set-aside is the context's for as long as it is set, and proj's
 persisting lines stay in L2 after the draft, so other kernels' normal
@@ -80,7 +81,16 @@ def _driver():
                            ctypes.POINTER(ctypes.c_size_t))),
       ("cuGraphNodeGetType", (ctypes.c_void_p, ctypes.POINTER(ctypes.c_int))),
       ("cuGraphKernelNodeGetAttribute", (ctypes.c_void_p, ctypes.c_int,
-                                         ctypes.POINTER(StreamAttrValue)))):
+                                         ctypes.POINTER(StreamAttrValue))),
+      ("cuGraphKernelNodeSetAttribute", (ctypes.c_void_p, ctypes.c_int,
+                                         ctypes.POINTER(StreamAttrValue))),
+      # The CUDA 11.3 signature, which drivers keep exporting for binaries
+      # built against it (CUDA 13 renamed the edge-data form).
+      ("cuStreamGetCaptureInfo_v2", (
+          ctypes.c_void_p, ctypes.POINTER(ctypes.c_int),
+          ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_void_p),
+          ctypes.POINTER(ctypes.POINTER(ctypes.c_void_p)),
+          ctypes.POINTER(ctypes.c_size_t)))):
     fn = getattr(lib, name)
     fn.argtypes = args
     fn.restype = ctypes.c_int
@@ -147,6 +157,7 @@ def plan_window(num_bytes: int, lim: Limits,
 
 
 CU_GRAPH_NODE_TYPE_KERNEL = 0
+CU_STREAM_CAPTURE_STATUS_ACTIVE = 1
 CU_KERNEL_NODE_ATTRIBUTE_ACCESS_POLICY_WINDOW = 1
 
 
@@ -221,6 +232,40 @@ class Window:
         ctypes.c_void_p(stream), CU_STREAM_ATTRIBUTE_ACCESS_POLICY_WINDOW,
         ctypes.byref(value)), "cuStreamGetAttribute(ACCESS_POLICY_WINDOW)")
     return value.accessPolicyWindow
+
+  def mark_captured(self, stream: int, base_ptr: int, num_bytes: int,
+                    hit_ratio: float) -> int:
+    """Sets the window on the kernel nodes that a capture on ``stream``
+    has just recorded (the capture's current leaves), and returns how many.
+
+    A stream's window is what eager launches read; whether stream capture
+    copies it into the kernel nodes it records is the driver's business,
+    so a capture sets it on the nodes themselves (host calls at capture
+    time only; a replay pays nothing)."""
+    lib = self._lib
+    status, graph = ctypes.c_int(), ctypes.c_void_p()
+    ident, count = ctypes.c_uint64(), ctypes.c_size_t()
+    deps = ctypes.POINTER(ctypes.c_void_p)()
+    _check(lib.cuStreamGetCaptureInfo_v2(
+        ctypes.c_void_p(stream), ctypes.byref(status), ctypes.byref(ident),
+        ctypes.byref(graph), ctypes.byref(deps), ctypes.byref(count)),
+        "cuStreamGetCaptureInfo_v2")
+    if status.value != CU_STREAM_CAPTURE_STATUS_ACTIVE:
+      return 0
+    value = window_value(base_ptr, num_bytes, hit_ratio)
+    marked = 0
+    for i in range(count.value):
+      node = ctypes.c_void_p(deps[i])
+      kind = ctypes.c_int()
+      _check(lib.cuGraphNodeGetType(node, ctypes.byref(kind)),
+             "cuGraphNodeGetType")
+      if kind.value != CU_GRAPH_NODE_TYPE_KERNEL:
+        continue
+      _check(lib.cuGraphKernelNodeSetAttribute(
+          node, CU_KERNEL_NODE_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+          ctypes.byref(value)), "cuGraphKernelNodeSetAttribute")
+      marked += 1
+    return marked
 
   def clear(self, stream: int) -> None:
     """No window on ``stream`` for the work enqueued after this call."""

@@ -78,6 +78,9 @@ class NativeRuntime:
     self._windows: dict[tuple, tuple[int, int, float]] = {}
     # Streams the window could not be set on (warned once each).
     self._no_window: set[int] = set()
+    # Streams whose captures the window could not be set on the kernel
+    # nodes of (warned once each).
+    self._no_marking: set[int] = set()
 
   def reset(self, device: torch.device) -> None:
     self._plans.clear()
@@ -178,6 +181,24 @@ class NativeRuntime:
       return None
     return window
 
+  def _run_marked(self, launches, bindings: dict, stream: int,
+                  window: tuple) -> None:
+    """The plan's launches under a capture, each kernel node it records
+    carrying the window (where the driver refuses that, one warning and
+    the graph keeps what stream capture gave it: the same results)."""
+    for launch in launches:
+      launch(bindings, stream)
+      if stream in self._no_marking:
+        continue
+      try:
+        self._window.mark_captured(stream, *window)
+      except RuntimeError as e:
+        self._no_marking.add(stream)
+        warnings.warn(f"torch_bridge: l2_persist could not set the L2 window "
+                      f"on the captured kernel nodes of stream {stream:#x} "
+                      f"({e}); the graph keeps the stream's", RuntimeWarning,
+                      stacklevel=4)
+
   def warmup(self, spec, s_len: int, base_dtype, mode: modes.Mode) -> int:
     bindings = self._bindings(spec, s_len, mode)
     plans = self.plans(spec, s_len, base_dtype, mode)
@@ -253,7 +274,10 @@ class NativeRuntime:
       # The stream's attribute applies to the work enqueued after it: this
       # draft's launches only (cleared right after them).
       window = self._set_window(stream.cuda_stream, window)
-    native.run_plan(launches, bindings, stream.cuda_stream)
+    if window is not None and capturing:
+      self._run_marked(launches, bindings, stream.cuda_stream, window)
+    else:
+      native.run_plan(launches, bindings, stream.cuda_stream)
     if window is not None:
       self._window.clear(stream.cuda_stream)
     spec.draft_tokens[:n, :s_len].copy_(
