@@ -2,7 +2,9 @@
 
 CPU: the driver structures' layout (cuda.h's CUaccessPolicyWindow inside the
 64-byte CUstreamAttrValue), the window arithmetic, the rows the persistent
-draft holds on chip (which the window leaves out), and the refusals. GPU
+draft holds on chip (which the window leaves out), which captured nodes
+get the window (against a driver answering as a capture would), and the
+refusals. GPU
 (marked): the draft with the window is the draft without it bit for bit,
 eager and captured; the stream carries no window after a call; the set-aside
 is reserved and released; and a capture keeps the window in the kernel nodes
@@ -48,6 +50,60 @@ def test_driver_structures_match_cuda_h():
   assert none[:20] == bytes(20)
   with pytest.raises(ValueError, match="hit_ratio"):
     l2_window.window_value(1, 1, 1.5)
+
+
+class _CapturingDriver:
+  """The driver calls of Window.mark_captured, as a capture would answer
+  them: a stream whose capture's leaves are two kernel nodes and a memset
+  node (or no capture at all)."""
+  KERNEL, MEMSET = 0, 2
+
+  def __init__(self, capturing: bool):
+    self.capturing = capturing
+    self.leaves = (ctypes.c_void_p * 3)(0x10, 0x20, 0x30)
+    self.types = {0x10: self.KERNEL, 0x20: self.MEMSET, 0x30: self.KERNEL}
+    self.set = []
+
+  def cuCtxGetLimit(self, out, limit):
+    out._obj.value = 0
+    return 0
+
+  def cuStreamGetCaptureInfo_v2(self, stream, status, ident, graph, deps,
+                                count):
+    status._obj.value = 1 if self.capturing else 0
+    if self.capturing:
+      deps._obj.contents = ctypes.c_void_p.from_buffer(self.leaves)
+      count._obj.value = len(self.leaves)
+    return 0
+
+  def cuGraphNodeGetType(self, node, kind):
+    kind._obj.value = self.types[node.value]
+    return 0
+
+  def cuGraphKernelNodeSetAttribute(self, node, attr, value):
+    w = value._obj.accessPolicyWindow
+    self.set.append((node.value, attr, w.base_ptr, w.num_bytes,
+                     round(w.hitRatio, 6), w.hitProp, w.missProp))
+    return 0
+
+
+def test_mark_captured_sets_the_window_on_the_capture_kernel_leaves(
+    monkeypatch):
+  """Under a capture, the window goes on the kernel nodes among the
+  capture's current leaves (not a memset); outside one, on nothing."""
+  for capturing in (True, False):
+    fake = _CapturingDriver(capturing)
+    monkeypatch.setattr(l2_window, "_driver", lambda fake=fake: fake)
+    window = l2_window.Window(0)
+    got = window.mark_captured(0x99, 0x7000_0000, 48 * MB, 0.5)
+    if capturing:
+      assert got == 2
+      assert fake.set == [
+          (node, l2_window.CU_KERNEL_NODE_ATTRIBUTE_ACCESS_POLICY_WINDOW,
+           0x7000_0000, 48 * MB, 0.5, l2_window.CU_ACCESS_PROPERTY_PERSISTING,
+           l2_window.CU_ACCESS_PROPERTY_STREAMING) for node in (0x10, 0x30)]
+    else:
+      assert (got, fake.set) == (0, [])
 
 
 def test_plan_window():
