@@ -68,6 +68,10 @@ class _CapturingDriver:
     out._obj.value = 0
     return 0
 
+  def cuCtxGetDevice(self, out):
+    out._obj.value = 0
+    return 0
+
   def cuStreamGetCaptureInfo_v2(self, stream, status, ident, graph, deps,
                                 count):
     status._obj.value = 1 if self.capturing else 0
@@ -94,6 +98,7 @@ def test_mark_captured_sets_the_window_on_the_capture_kernel_leaves(
   for capturing in (True, False):
     fake = _CapturingDriver(capturing)
     monkeypatch.setattr(l2_window, "_driver", lambda fake=fake: fake)
+    monkeypatch.setattr(l2_window, "_HOLDERS", {})
     window = l2_window.Window(0)
     got = window.mark_captured(0x99, 0x7000_0000, 48 * MB, 0.5)
     if capturing:
@@ -104,6 +109,62 @@ def test_mark_captured_sets_the_window_on_the_capture_kernel_leaves(
            l2_window.CU_ACCESS_PROPERTY_STREAMING) for node in (0x10, 0x30)]
     else:
       assert (got, fake.set) == (0, [])
+
+
+class _LimitDriver:
+  """The context limit calls, as a driver would answer them: the set-aside
+  rounded up to 1 MB, and the resets counted."""
+
+  def __init__(self, limit: int):
+    self.limit, self.resets, self.sets = limit, 0, []
+
+  def cuCtxGetDevice(self, out):
+    out._obj.value = 3
+    return 0
+
+  def cuCtxGetLimit(self, out, which):
+    assert which == l2_window.CU_LIMIT_PERSISTING_L2_CACHE_SIZE
+    out._obj.value = self.limit
+    return 0
+
+  def cuCtxSetLimit(self, which, value):
+    self.sets.append(value)
+    self.limit = -(-value // MB) * MB
+    return 0
+
+  def cuCtxResetPersistingL2Cache(self):
+    self.resets += 1
+    return 0
+
+
+@pytest.mark.parametrize("order", ["first_out_first", "last_out_first"])
+def test_windows_share_the_set_aside(monkeypatch, order):
+  """Two hooks' Windows on one device: each raises the set-aside to what it
+  needs and never lowers it; releasing one leaves the other's set-aside
+  and persisting lines alone; the last release resets the lines and
+  restores the limit from before the first; a release twice is one."""
+  fake = _LimitDriver(2 * MB)  # another part of the process set 2 MB
+  monkeypatch.setattr(l2_window, "_driver", lambda: fake)
+  monkeypatch.setattr(l2_window, "_HOLDERS", {})
+  a = l2_window.Window(30 * MB + 1)
+  assert (a.reserved, fake.limit) == (31 * MB, 31 * MB)  # rounded up
+  b = l2_window.Window(20 * MB)  # less than held: not lowered
+  assert (b.reserved, fake.sets) == (31 * MB, [30 * MB + 1])
+  c = l2_window.Window(40 * MB)
+  assert (c.reserved, fake.limit) == (40 * MB, 40 * MB)
+  assert a._previous == b._previous == c._previous == 2 * MB  # noqa: SLF001
+  first, *rest = (a, b, c) if order == "first_out_first" else (c, b, a)
+  first.release()
+  first.release()
+  rest[0].release()
+  assert (fake.limit, fake.resets) == (40 * MB, 0)
+  rest[1].release()
+  assert (fake.limit, fake.resets) == (2 * MB, 1)
+  assert l2_window._HOLDERS == {}  # noqa: SLF001
+  d = l2_window.Window(0)  # a new first one remembers the limit now
+  assert d.reserved == d._previous == 2 * MB  # noqa: SLF001
+  d.release()
+  assert (fake.limit, fake.resets, fake.sets[-1]) == (2 * MB, 2, 2 * MB)
 
 
 def test_plan_window():
@@ -285,7 +346,9 @@ def test_gpu_l2_persist_is_the_plain_draft_bit_for_bit():
   previous = window._previous  # noqa: SLF001 -- the limit before the hook's
   kept.release_l2()
   assert kept._impl._window is None  # noqa: SLF001
-  assert l2_window.Window(0).reserved == previous  # restored, not lowered
+  probe = l2_window.Window(0)
+  assert probe.reserved == previous  # restored, not lowered
+  probe.release()
 
 
 def test_runtime_drafts_without_the_window_where_a_stream_refuses_it():

@@ -219,10 +219,12 @@ class FusedMarkovSampler:
   # -- public helpers ---------------------------------------------------------
 
   def release_l2(self) -> None:
-    """With ``l2_persist``: turns the context's persisting L2 lines (proj's)
-    back to normal and the set-aside back to what it was before the hook
-    reserved it (host calls, not in a capture); the next draft outside a
-    capture reserves it again."""
+    """With ``l2_persist``: gives the hook's persisting-L2 set-aside up
+    (host calls, not in a capture). Hooks of one device share the
+    context's set-aside: the last one to release it turns the persisting
+    lines (proj's) back to normal and the set-aside back to what it was
+    before the first reserved it; the others keep theirs. The next draft
+    outside a capture reserves it again."""
     release = getattr(self._impl, "release_l2", None)
     if release is not None:
       release()

@@ -190,23 +190,42 @@ def graph_kernel_windows(graph: int) -> list[tuple[int, int, float, int]]:
   return out
 
 
+# Per device: [the set-aside before the first live Window, live Windows].
+# The limit is the context's, shared by every hook of the process: the
+# first Window remembers what it was, the last one released restores it.
+_HOLDERS: dict[int, list[int]] = {}
+
+
 class Window:
   """Reserves a persisting-L2 set-aside and sets one window on streams.
 
   Built where torch's device is current, outside any capture (the limit is
-  a context setting, which a CUDA graph cannot hold).
+  a context setting, which a CUDA graph cannot hold). Windows of one device
+  share its set-aside: each raises it to what it needs (never lowers it),
+  and it returns to what it was before the first only when the last is
+  released.
   """
 
   def __init__(self, reserve: int):
     lib = _driver()
     self._lib = lib
-    self._previous = self._limit()
-    self.reserved = self._previous
-    if reserve > self._previous:  # never lower what another part set
+    dev = ctypes.c_int()
+    _check(lib.cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
+    self._device = dev.value
+    held = _HOLDERS.setdefault(self._device, [self._limit(), 0])
+    held[1] += 1
+    self._held = True
+    self.reserved = self._limit()
+    if reserve > self.reserved:  # never lower what another part set
       _check(lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, reserve),
              "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)")
       # The driver rounds the set-aside to its granularity.
       self.reserved = self._limit()
+
+  @property
+  def _previous(self) -> int:
+    """The set-aside before the first live Window of this device."""
+    return _HOLDERS[self._device][0]
 
   def _limit(self) -> int:
     got = ctypes.c_size_t()
@@ -272,13 +291,21 @@ class Window:
     self.set(stream, 0, 0, 0.0)
 
   def release(self) -> None:
-    """Every persisting line of the context back to normal, and the
-    set-aside back to what it was before this window (host calls: not in a
-    capture)."""
-    _check(self._lib.cuCtxResetPersistingL2Cache(),
-           "cuCtxResetPersistingL2Cache")
-    if self.reserved != self._previous:
-      _check(self._lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE,
-                                     self._previous),
-             "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)")
-    self.reserved = self._previous
+    """Where this is the device's last live Window: every persisting line
+    of the context back to normal and the set-aside back to what it was
+    before the first (host calls: not in a capture); the others keep
+    theirs. Idempotent."""
+    if not self._held:
+      return
+    self._held = False
+    held = _HOLDERS[self._device]
+    held[1] -= 1
+    if held[1] == 0:
+      del _HOLDERS[self._device]
+      _check(self._lib.cuCtxResetPersistingL2Cache(),
+             "cuCtxResetPersistingL2Cache")
+      if self._limit() != held[0]:
+        _check(self._lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE,
+                                       held[0]),
+               "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)")
+    self.reserved = 0
