@@ -110,6 +110,13 @@ def test_mark_captured_sets_the_window_on_the_capture_kernel_leaves(
     else:
       assert (got, fake.set) == (0, [])
 
+  class Older(_CapturingDriver):  # a driver without the call
+    cuStreamGetCaptureInfo_v2 = property()
+
+  monkeypatch.setattr(l2_window, "_driver", lambda: Older(True))
+  with pytest.raises(RuntimeError, match="no cuStreamGetCaptureInfo_v2"):
+    l2_window.Window(0).mark_captured(0x99, 0x7000_0000, 48 * MB, 0.5)
+
 
 class _LimitDriver:
   """The context limit calls, as a driver would answer them: the set-aside

@@ -91,7 +91,12 @@ def _driver():
           ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_void_p),
           ctypes.POINTER(ctypes.POINTER(ctypes.c_void_p)),
           ctypes.POINTER(ctypes.c_size_t)))):
-    fn = getattr(lib, name)
+    try:
+      fn = getattr(lib, name)
+    except AttributeError:
+      # A driver without it: the calls that need it say so (RuntimeError)
+      # where they are made, the others work.
+      continue
     fn.argtypes = args
     fn.restype = ctypes.c_int
   return lib
@@ -262,6 +267,8 @@ class Window:
     so a capture sets it on the nodes themselves (host calls at capture
     time only; a replay pays nothing)."""
     lib = self._lib
+    if not hasattr(lib, "cuStreamGetCaptureInfo_v2"):
+      raise RuntimeError("this CUDA driver has no cuStreamGetCaptureInfo_v2")
     status, graph = ctypes.c_int(), ctypes.c_void_p()
     ident, count = ctypes.c_uint64(), ctypes.c_size_t()
     deps = ctypes.POINTER(ctypes.c_void_p)()
