@@ -114,6 +114,10 @@ FAMILIES = {
     # 128 on an H200, which a JAX call does not take by itself:
     # sampler._config), beside jax_markov in one run.
     "jax_markov_mosaic": "jax",
+    # Not in the defaults: jm.sample_draft_into with the cache donated back
+    # call after call (its buffers stay put: what a serving loop does), beside
+    # jax_markov's new cache a call (perf-notes "The JAX call at B = 256").
+    "jax_markov_into": "jax",
     # Not in the defaults: the captured hook with mosaic=True (the Mosaic GPU
     # block pass where the table has it; Hopper only) and with mosaic=False
     # (the Triton block pass everywhere), for A/B rows in one run.
@@ -131,6 +135,7 @@ IMPLS = ("jax_markov", "torch_bridge", "torch_bridge_graph", "seed_design",
 # the greedy hook (a CUDA graph needs a GPU).
 ALL_IMPLS = IMPLS + ("torch_bridge_greedy", "jax_markov_xla_bias",
                      "jax_markov_fused", "jax_markov_mosaic",
+                     "jax_markov_into",
                      "torch_bridge_mosaic_graph",
                      "torch_bridge_triton_graph")
 # Tokens only (no cache): timed once, at temperature 0, in their own table.

@@ -64,6 +64,8 @@ DESCRIPTIONS = {
     "jax_markov_mosaic": "jax_markov with the configuration the native "
                          "runtime plans where that is the Mosaic GPU pass "
                          "(partial last tiles included)",
+    "jax_markov_into": "`jm.sample_draft_into` with the cache donated back "
+                       "call after call (fixed buffers, identity idx_map)",
     "torch_bridge_mosaic_graph": "the hook with `mosaic=True` (the Mosaic "
                                  "GPU block pass where the table has it), "
                                  "captured in a CUDA graph",

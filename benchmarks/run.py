@@ -24,7 +24,8 @@ Not in the defaults, for A/B rows in one run: jax_markov_xla_bias
 (method="xla_bias"), jax_markov_fused (method="fused": the Triton block pass
 where the table picks Mosaic GPU), jax_markov_mosaic (the configuration the
 native runtime plans, where that is the Mosaic GPU pass: below the 256
-bucket a JAX call takes the Triton pass by itself),
+bucket a JAX call takes the Triton pass by itself), jax_markov_into
+(jm.sample_draft_into, the cache donated back call after call),
 torch_bridge_mosaic_graph (the captured
 hook with mosaic=True: the Mosaic GPU block pass, Hopper only) and
 torch_bridge_triton_graph (mosaic=False: the Triton block pass everywhere).
@@ -113,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--impls", default=None,
                  help="comma-separated of " + ",".join(ALL_IMPLS) +
                  " (default: all but jax_markov_xla_bias, "
-                 "jax_markov_fused, jax_markov_mosaic, "
+                 "jax_markov_fused, jax_markov_mosaic, jax_markov_into, "
                  "torch_bridge_mosaic_graph, "
                  "torch_bridge_triton_graph and torch_bridge_greedy; the greedy ones only on " +
                  ",".join(common.GREEDY_DEFAULT_SHAPES) + " unless named)")
@@ -796,12 +797,18 @@ class _JaxFamily:
         kwargs["config"] = cfg
         meta = dict(meta, config=str(cfg), method=cfg.method)
       heads = [jm.MarkovHead(d["embed"], d["proj"]) for d in self.sets]
-      calls = [
-          (lambda d=d, h=h: jm.sample_draft(d["base"], d["anchors"], h,
-                                            temperature, self.words,
-                                            self.positions, **kwargs))
-          for d, h in zip(self.sets, heads)]
-      tok = lambda out: out.tokens  # noqa: E731
+      if impl == "jax_markov_into":
+        calls, tok = self._into_calls(shape, batch, temperature, heads,
+                                      kwargs)
+        meta = dict(meta, timed="jm.sample_draft_into (cache donated back "
+                    "call after call)")
+      else:
+        calls = [
+            (lambda d=d, h=h: jm.sample_draft(d["base"], d["anchors"], h,
+                                              temperature, self.words,
+                                              self.positions, **kwargs))
+            for d, h in zip(self.sets, heads)]
+        tok = lambda out: out.tokens  # noqa: E731
     else:
       if shape.Vd is not None:
         raise _Skip(f"no reduced-vocabulary form on {shape.name}")
@@ -818,6 +825,27 @@ class _JaxFamily:
     def tokens():
       return np.asarray(tok(calls[0]())).tolist()
     return _Prepared(calls, tokens, meta)
+
+  def _into_calls(self, shape, batch, temperature, heads, kwargs):
+    """jm.sample_draft_into over one float32 [B, S, V] cache that every call
+    donates and gets back (identity idx_map, one state row a request): the
+    cache stays at one address, as in a serving loop, where jax_markov's
+    rows allocate a new cache a call. The calls share that cache, so they
+    run in order (round_robin does)."""
+    import jax.numpy as jnp
+    jm = self.jm
+    S, V = shape.S, shape.V
+    idx_map = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None],
+                               (batch, S))
+    state = {"cache": jnp.zeros((batch, S, V), jnp.float32)}
+
+    def call(d, h):
+      tokens, state["cache"] = jm.sample_draft_into(
+          state["cache"], d["base"], d["anchors"], h, temperature,
+          self.words, idx_map, self.positions, **kwargs)
+      return tokens
+    calls = [(lambda d=d, h=h: call(d, h)) for d, h in zip(self.sets, heads)]
+    return calls, (lambda out: out)
 
   def _prepare_mapped(self, greedy, shape, batch, temperature):
     """jax_markov with a reduced vocabulary (jm.sample_draft with

@@ -286,6 +286,24 @@ def test_bench_quick_smoke(tmp_path, monkeypatch):
   assert (tmp_path / "docs" / "benchmarks.png").stat().st_size > 0
 
 
+def test_jax_markov_into_donates_one_cache_and_draws_as_jax_markov(
+    tmp_path, monkeypatch):
+  """The jax_markov_into row: jm.sample_draft_into over one cache donated
+  back call after call, the same tokens as jax_markov's at T 0 and 1."""
+  monkeypatch.setenv("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+  out = tmp_path / "res.json"
+  rc = run.main(["--quick", "--shapes", "tiny", "--batches", "2",
+                 "--impls", "jax_markov,jax_markov_into", "--repeats", "2",
+                 "--no-report", "--out", str(out)])
+  assert rc == 0
+  rows = json.loads(out.read_text())
+  assert {(r["impl"], r["temperature"]) for r in rows} == {
+      (i, t) for i in ("jax_markov", "jax_markov_into") for t in (0.0, 1.0)}
+  assert all(r["tokens_match"] for r in rows)
+  into = [r for r in rows if r["impl"] == "jax_markov_into"]
+  assert all(r["timed"].startswith("jm.sample_draft_into") for r in into)
+
+
 def test_report_ratios_and_plot(tmp_path):
   rows = []
   for impl, ms in (("jax_markov", 0.2), ("seed_design_graph", 0.25)):
