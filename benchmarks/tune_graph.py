@@ -305,15 +305,16 @@ def prefetch_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """The table's tile without early loads, then prefetching 1, 2 or all 4
   proj chunks into L2 before the dependent-launch wait (prefetch_proj), in
   about the first wave's programs (prefetch_programs: 132 multiprocessors x
-  the tile's programs a multiprocessor, read from ptxas on the CPU: 3 for
-  64-request tiles at 168 registers, 4 for 16-request tiles at 85-90; the
-  prefetch touches a sector and keeps them) or all 4 in every program."""
+  the tile's programs a multiprocessor, read from ptxas on the CPU
+  (benchmarks.occupancy): 3 for 64-request tiles at 168 registers and for
+  32-request tiles at 134, 4 for 16-request tiles at 85-90; the prefetch
+  touches a sector and keeps them) or all 4 in every program."""
   cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
   if cfg.select != "pass" or cfg.block_b < 16:
     return
   cfg = dataclasses.replace(cfg, proj_l2_rows=0, early_proj=0,
                             prefetch_proj=0, prefetch_programs=0)
-  wave = 132 * (3 if cfg.block_b >= 64 else 4)
+  wave = 132 * (3 if cfg.block_b >= 32 else 4)
   yield cfg
   for chunks, programs in ((1, wave), (2, wave), (4, wave), (4, 0)):
     yield dataclasses.replace(cfg, prefetch_proj=chunks,
