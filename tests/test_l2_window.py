@@ -11,6 +11,7 @@ is reserved and released; and a capture keeps the window in the kernel nodes
 of the draft's own launches, not in torch's copy after them.
 """
 
+import contextlib
 import ctypes
 
 import torch_bridge as tb  # first: sets XLA_PYTHON_CLIENT_PREALLOCATE
@@ -172,6 +173,66 @@ def test_windows_share_the_set_aside(monkeypatch, order):
   assert d.reserved == d._previous == 2 * MB  # noqa: SLF001
   d.release()
   assert (fake.limit, fake.resets, fake.sets[-1]) == (2 * MB, 2, 2 * MB)
+
+
+def test_a_refused_set_aside_leaves_no_holder(monkeypatch):
+  """A context that refuses the limit: the Window raises and counts no
+  holder, so the next Window is the device's first and its release
+  restores the limit and resets the lines."""
+
+  class Refusing(_LimitDriver):
+    def cuCtxSetLimit(self, which, value):
+      self.sets.append(value)
+      return 1  # CUDA_ERROR_INVALID_VALUE
+
+  fake = Refusing(0)
+  monkeypatch.setattr(l2_window, "_driver", lambda: fake)
+  monkeypatch.setattr(l2_window, "_HOLDERS", {})
+  with pytest.raises(RuntimeError, match="cuCtxSetLimit"):
+    l2_window.Window(30 * MB)
+  assert l2_window._HOLDERS == {}  # noqa: SLF001
+  w = l2_window.Window(0)  # nothing to raise: no call
+  assert (w.reserved, w.device, l2_window._HOLDERS) == (  # noqa: SLF001
+      0, 3, {3: [0, 1]})
+  w.release()
+  assert (fake.resets, l2_window._HOLDERS) == (1, {})  # noqa: SLF001
+
+
+def test_runtime_drafts_without_the_window_where_the_set_aside_is_refused(
+    monkeypatch):
+  """Where the set-aside cannot be reserved (no driver library, a context
+  that refuses the limit), the native runtime warns once and drafts
+  without a window, under a capture too (the same results: it is a cache
+  policy); a hook moved to another device asks again."""
+  from torch_bridge import native_runtime
+
+  calls = []
+
+  def refuse():
+    calls.append(1)
+    raise RuntimeError("cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE) failed "
+                       "with CUresult 1")
+
+  monkeypatch.setattr(l2_window, "limits", refuse)
+  # No CUDA device here to make current: the refusal comes from limits().
+  monkeypatch.setattr(native_runtime.torch.cuda, "device",
+                      lambda device: contextlib.nullcontext())
+
+  class Plans:
+    shape, num_sms = _shape(), 132
+
+  hook = tb.FusedMarkovSampler(256, 129280, 256, "bfloat16", runtime="jax",
+                               l2_persist=True)
+  rt = native_runtime.NativeRuntime(hook, None)
+  with pytest.warns(RuntimeWarning, match="could not reserve the persisting"):
+    assert rt._l2_window({"proj": 0x1000}, Plans, 1, False) is None  # noqa: SLF001
+  assert rt._l2_window({"proj": 0x1000}, Plans, 4, False) is None  # noqa: SLF001
+  assert rt._l2_window({"proj": 0x1000}, Plans, 1, True) is None  # noqa: SLF001
+  assert (len(calls), rt._window) == (1, None)  # noqa: SLF001
+  rt.reset(torch.device("cpu"))
+  with pytest.warns(RuntimeWarning, match="could not reserve the persisting"):
+    assert rt._l2_window({"proj": 0x1000}, Plans, 1, False) is None  # noqa: SLF001
+  assert len(calls) == 2
 
 
 def test_plan_window():

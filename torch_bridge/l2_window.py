@@ -217,15 +217,24 @@ class Window:
     dev = ctypes.c_int()
     _check(lib.cuCtxGetDevice(ctypes.byref(dev)), "cuCtxGetDevice")
     self._device = dev.value
-    held = _HOLDERS.setdefault(self._device, [self._limit(), 0])
-    held[1] += 1
-    self._held = True
-    self.reserved = self._limit()
-    if reserve > self.reserved:  # never lower what another part set
+    self._held = False
+    limit = self._limit()
+    if reserve > limit:  # never lower what another part set
       _check(lib.cuCtxSetLimit(CU_LIMIT_PERSISTING_L2_CACHE_SIZE, reserve),
              "cuCtxSetLimit(PERSISTING_L2_CACHE_SIZE)")
-      # The driver rounds the set-aside to its granularity.
-      self.reserved = self._limit()
+    # Counted only once reserved: a refused limit leaves no holder behind
+    # that would keep the last release from restoring the limit.
+    held = _HOLDERS.setdefault(self._device, [limit, 0])
+    held[1] += 1
+    self._held = True
+    # The driver rounds the set-aside to its granularity.
+    self.reserved = self._limit()
+
+  @property
+  def device(self) -> int:
+    """The device ordinal whose context holds the set-aside: the context
+    :meth:`release` must run in."""
+    return self._device
 
   @property
   def _previous(self) -> int:
@@ -300,8 +309,9 @@ class Window:
   def release(self) -> None:
     """Where this is the device's last live Window: every persisting line
     of the context back to normal and the set-aside back to what it was
-    before the first (host calls: not in a capture); the others keep
-    theirs. Idempotent."""
+    before the first (host calls on the current context, which must be
+    :attr:`device`'s; not in a capture); the others keep theirs.
+    Idempotent."""
     if not self._held:
       return
     self._held = False

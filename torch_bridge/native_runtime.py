@@ -81,6 +81,9 @@ class NativeRuntime:
     # Streams whose captures the window could not be set on the kernel
     # nodes of (warned once each).
     self._no_marking: set[int] = set()
+    # Why the set-aside could not be reserved (warned once; the hook then
+    # drafts without a window), or None.
+    self._l2_refused: str | None = None
 
   def reset(self, device: torch.device) -> None:
     self._plans.clear()
@@ -88,10 +91,18 @@ class NativeRuntime:
     self._bound = None
     self._device = device
     self._windows.clear()
+    # The set-aside is the old device's context's: given back (outside a
+    # capture, where host calls may run), and the new device asked anew.
+    if not (torch.cuda.is_available()
+            and torch.cuda.is_current_stream_capturing()):
+      self.release_l2()
+    self._l2_refused = None
 
   def release_l2(self) -> None:
     if self._window is not None:
-      self._window.release()
+      # Its calls act on the current context: the window's device's.
+      with torch.cuda.device(self._window.device):
+        self._window.release()
       self._window = None
 
   def _l2_window(self, bindings: dict, plans, bp: int,
@@ -99,7 +110,7 @@ class NativeRuntime:
     """(start, bytes, hitRatio) of the window over the proj rows bucket bp
     keeps in L2 (native_plan.l2_window_rows), reserving the set-aside first
     where none is."""
-    if not self.hook.l2_persist:
+    if not self.hook.l2_persist or self._l2_refused is not None:
       return None
     key = (bindings["proj"], bp)
     window = self._windows.get(key)
@@ -115,12 +126,21 @@ class NativeRuntime:
     row = shape.rank * elem
     first, rows = native_plan.l2_window_rows(shape, bp, plans.num_sms)
     # The driver calls act on the current context: this device's.
-    with torch.cuda.device(self._device):
-      lim = l2_window.limits()
-      if self._window is None:
-        # Enough for all of proj (no bucket's window is larger).
-        aside, _, _ = l2_window.plan_window(shape.vd * row, lim)
-        self._window = l2_window.Window(aside)
+    try:
+      with torch.cuda.device(self._device):
+        lim = l2_window.limits()
+        if self._window is None:
+          # Enough for all of proj (no bucket's window is larger).
+          aside, _, _ = l2_window.plan_window(shape.vd * row, lim)
+          self._window = l2_window.Window(aside)
+    except RuntimeError as e:
+      # No driver library, or a context that refuses the limit (the window
+      # is a cache policy: the draft is the same without it).
+      self._l2_refused = str(e)
+      warnings.warn(f"torch_bridge: l2_persist could not reserve the "
+                    f"persisting-L2 set-aside ({e}); drafting without an L2 "
+                    f"window", RuntimeWarning, stacklevel=4)
+      return None
     aside, size, ratio = l2_window.plan_window(rows * row, lim,
                                                self._window.reserved)
     window = (bindings["proj"] + first * row, size, ratio)
