@@ -8,8 +8,9 @@ that configuration with the fields given), as the native runtime builds its
 block pass for a Hopper GPU (sm_90, dependent launch, the bucket of that
 batch), lowered to Triton IR, compiled by triton to PTX, and assembled by
 triton's ptxas for sm_90a. Prints the registers a thread, the shared memory
-a program, the programs a multiprocessor those leave (the smaller of the
-register and shared-memory bounds), the grid's programs and its waves on
+a program, the bytes a thread spills to local memory, the programs a
+multiprocessor those leave (the smaller of the register and shared-memory
+bounds), the grid's programs and its waves on
 132 multiprocessors, and what the PTX carries of the L2 hints (loads and
 stores with an evict_first / evict_last policy; ``cp.async`` copies, which
 triton 3.6 emits without one). No GPU needed; needs triton with its ptxas.
@@ -74,8 +75,11 @@ def programs_per_sm(registers: int, shared: int, warps: int) -> dict:
               programs=min(by_registers, by_shared, MAX_WARPS // warps))
 
 
-def ptxas_registers(ptx: str, path: str) -> int:
-  """Registers a thread, by triton's own ptxas for sm_90a."""
+def ptxas_usage(ptx: str, path: str) -> dict:
+  """Registers a thread and the bytes a thread spills to local memory
+  (stores, loads), by triton's own ptxas for sm_90a. A tile at the
+  255-register ceiling may spill: its local-memory traffic goes through L1
+  and L2 beside the tile's own."""
   import triton  # pylint: disable=g-import-not-at-top
   ptxas = os.path.join(os.path.dirname(triton.__file__), "backends",
                        "nvidia", "bin", "ptxas")
@@ -84,7 +88,17 @@ def ptxas_registers(ptx: str, path: str) -> int:
   out = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o",
                         os.devnull], capture_output=True, text=True,
                        check=True)
-  return int(re.search(r"Used (\d+) registers", out.stderr).group(1))
+  return parse_ptxas(out.stderr)
+
+
+def parse_ptxas(report: str) -> dict:
+  """Registers and spill bytes a thread from ``ptxas -v``'s report."""
+  spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                     report)
+  return dict(
+      registers=int(re.search(r"Used (\d+) registers", report).group(1)),
+      spill_stores=int(spills.group(1)) if spills else 0,
+      spill_loads=int(spills.group(2)) if spills else 0)
 
 
 def l2_hints(ptx: str) -> dict:
@@ -116,12 +130,12 @@ def block_pass_occupancy(shape: common.Shape, batch: int,
   compiled = native.compile_kernel(ir, path, CAPABILITY,
                                    launch_pdl=name == "block_pass")
   ptx = compiled.asm["ptx"]
-  registers = ptxas_registers(ptx, os.path.join(workdir, f"{name}.ptx"))
+  usage = ptxas_usage(ptx, os.path.join(workdir, f"{name}.ptx"))
   shared = compiled.metadata.shared
-  occ = programs_per_sm(registers, shared, cfg.num_warps)
+  occ = programs_per_sm(usage["registers"], shared, cfg.num_warps)
   programs = ir.grid[0] * ir.grid[1] * ir.grid[2]
-  return dict(shape=shape.name, batch=batch, kernel=name,
-              registers=registers, shared_bytes=shared, **occ,
+  return dict(shape=shape.name, batch=batch, kernel=name, **usage,
+              shared_bytes=shared, **occ,
               grid_programs=programs,
               waves=programs / (NUM_SMS * occ["programs"]),
               **l2_hints(ptx), config=dataclasses.asdict(cfg))
@@ -158,7 +172,9 @@ def main(argv=None):
       row = block_pass_occupancy(shape, batch, cfg,
                                  os.path.join(tmp, str(batch)))
       rows.append(row)
-      print(f"B={batch:4d} {row['kernel']}: {row['registers']} registers, "
+      print(f"B={batch:4d} {row['kernel']}: {row['registers']} registers "
+            f"(spills: {row['spill_stores']} B stored, {row['spill_loads']} "
+            f"B loaded a thread), "
             f"{row['shared_bytes'] // 1024} KB shared, {row['programs']} "
             f"programs/SM (registers {row['by_registers']}, shared "
             f"{row['by_shared']}), {row['grid_programs']} programs = "

@@ -885,6 +885,13 @@ def test_occupancy_reads_registers_shared_memory_and_hints(tmp_path):
       k_loop="static", proj_l2_rows=64)
   with pytest.raises(ValueError, match="field=value"):
     occupancy.parse_fields(["tile=64"])
+  # ptxas -v's report of a tile at the register ceiling that spills.
+  assert occupancy.parse_ptxas(
+      "ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+      "ptxas info    : Function properties for k\n"
+      "    16 bytes stack frame, 24 bytes spill stores, 20 bytes spill loads\n"
+      "ptxas info    : Used 255 registers, used 1 barriers") == dict(
+          registers=255, spill_stores=24, spill_loads=20)
   shape = common.SHAPES["small"]  # R = 64: four rank chunks to pipeline
   tile = KernelConfig(method="fused", block_b=16, block_v=128, block_k=16,
                       num_warps=4, num_stages=3)
@@ -899,6 +906,7 @@ def test_occupancy_reads_registers_shared_memory_and_hints(tmp_path):
   assert plain["grid_programs"] == 250  # cdiv(32000, 128) blocks, 1 tile
   assert plain["programs"] == min(plain["by_registers"], plain["by_shared"])
   assert plain["cp_async"] > 0 and plain["hinted"] == 0
+  assert plain["spill_stores"] == plain["spill_loads"] == 0
   assert rows["rows"]["shared_bytes"] > plain["shared_bytes"]
   assert rows["rows"]["evict_last"] == 0  # cp.async drops the policy
   assert rows["static"]["evict_last"] > 0 and rows["static"]["cp_async"] == 0
