@@ -13,6 +13,7 @@ Public API::
     u = jm.draft_uniforms(seeds, positions)
     jm.reference  # the same sampler in plain jnp: the executable spec
     jm.sample_draft_sharded(..., mesh=mesh, axis="vocab")  # V over devices
+    jm.sample_draft_into_sharded(cache, ..., mesh=mesh)  # the same, in place
 """
 
 from jax_markov import reference, rng
@@ -20,11 +21,12 @@ from jax_markov.head import Draft, MarkovHead
 from jax_markov.kernels.config import KernelConfig
 from jax_markov.rng import draft_uniforms
 from jax_markov.sampler import greedy_draft, sample_draft, sample_draft_into
-from jax_markov.sharded import sample_draft_sharded
+from jax_markov.sharded import sample_draft_into_sharded, sample_draft_sharded
 
 __all__ = [
     "Draft", "KernelConfig", "MarkovHead", "draft_uniforms", "greedy_draft",
     "reference", "rng",
     "sample_draft", "sample_draft_into", "sample_draft_sharded",
+    "sample_draft_into_sharded",
 ]
 __version__ = "0.1.0"

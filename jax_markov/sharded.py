@@ -7,6 +7,8 @@ multiple of n, V_loc = V_pad / n; shard i holds columns [i * V_loc, (i+1) * V_lo
 * head.proj   [V, R]      sharded along V   (PartitionSpec(axis, None))
 * head.embed  [V_in, R]   replicated        (the lookup of the drawn token is local)
 * the cache / returned logits [B, S, V] sharded along V, like base_logits
+  (:func:`sample_draft_into_sharded`: the serving cache [N, S, V], sharded
+  along V, each device writing its columns of the drawn rows in place)
 * anchors, temperature, seeds, positions, tokens: replicated
 
 One step on every device, inside ``shard_map`` over a ``lax.scan`` of the S steps:
@@ -219,25 +221,39 @@ def _pick(cache, rows, barg, block, greedy, m_safe, prefix, target, scale, *,
   return jnp.where(greedy, block_arg, sampled)
 
 
-def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
-                 axis: str, vocab: int, exchange: str,
-                 config: tuning.KernelConfig, interpret: bool):
+def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u,
+                 cache=None, cache_rows=None, *, axis: str, vocab: int,
+                 exchange: str, config: tuning.KernelConfig,
+                 interpret: bool):
   """The body of the shard_map: the S steps on one device's shard.
 
   Args:
     base: [B, S, V_loc] this shard's base logits; proj: [V_loc, R] its rows.
     embed: [V_in, R] (replicated); anchor_tokens: int32 [B].
     scale, greedy, u: [B, S] per draw (replicated).
+    cache: None (the dense layout: a new cache, draw (b, s) in row b * S +
+      s), or float32 [N * S, V_loc], this shard's columns of the serving
+      cache, updated in place.
+    cache_rows: with cache, int32 [B, S] (replicated): the row of draw
+      (b, s), -1 for padding (nothing written; the draw must be greedy).
 
   Returns:
     (tokens int32 [B, S], identical on every device; cache float32
-    [B * S, V_loc], this shard's logits, rows request-major).
+    [B * S or N * S, V_loc], this shard's logits.)
   """
   B, S, vocab_local = base.shape
   shard = jax.lax.axis_index(axis).astype(jnp.int32)
   offset = shard * vocab_local
   base_flat = base.reshape(B * S, vocab_local)
-  row_ids = jnp.arange(B, dtype=jnp.int32) * S
+  if cache_rows is None:
+    row_ids = jnp.arange(B, dtype=jnp.int32)[:, None] * S + jnp.arange(
+        S, dtype=jnp.int32)[None, :]
+    num_cache_rows, flat_rows = B * S, None
+  else:
+    # Level 2 reads a padding draw's row 0: in bounds, and its token is the
+    # block argmax (padding draws are greedy), whatever that row holds.
+    row_ids = jnp.maximum(cache_rows, 0)
+    num_cache_rows, flat_rows = cache.shape[0], cache_rows.reshape(B * S)
   num_local = -(-vocab_local // config.block_v)
   decide = _decide_shards if exchange == "shards" else _decide_blocks
   gemm_precision = (jax.lax.Precision.HIGHEST if proj.dtype == jnp.float32
@@ -251,7 +267,7 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
 
   def step(cache, prev, s):
     """One step from the previous tokens prev int32 [B]."""
-    rows = row_ids + s
+    rows = jax.lax.dynamic_index_in_dim(row_ids, s, axis=1, keepdims=False)
     if config.method == "fused":
       bias_or_head = (embed, proj, prev)
     else:
@@ -260,8 +276,8 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
           precision=gemm_precision, preferred_element_type=jnp.float32)
     cache, *stats = block_pass(
         base_flat, bias_or_head, jnp.reshape(s, (1,)).astype(jnp.int32),
-        params, None, cache, config=block_config, num_steps=S,
-        num_cache_rows=B * S, interpret=interpret)
+        params, flat_rows, cache, config=block_config, num_steps=S,
+        num_cache_rows=num_cache_rows, interpret=interpret)
     bmax, bsum, barg = stats  # [B, NB_loc], request-major
     owner, block, is_greedy, m_safe, prefix, target = decide(
         bmax, bsum, u[:, s], greedy[:, s], axis=axis, shard=shard,
@@ -273,7 +289,7 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u, *,
     tokens = jnp.clip(tokens, 0, vocab - 1)  # padding columns are never drawn
     return cache, tokens
 
-  cache, tokens0 = step(None, anchor_tokens, 0)
+  cache, tokens0 = step(cache, anchor_tokens, 0)
   if S == 1:
     return tokens0[:, None], cache
 
@@ -319,6 +335,49 @@ def _sample_draft_sharded(base, anchor_tokens, head, temperature, words,
   return Draft(tokens, logits)
 
 
+def _sample_draft_into_sharded_impl(cache, base, anchor_tokens, head,
+                                    temperature, words, idx_map, positions,
+                                    *, mesh, axis, exchange, config,
+                                    interpret):
+  B, S, V = base.shape
+  N = cache.shape[0]
+  idx_map = idx_map.astype(jnp.int32)
+  # As the single-device sample_draft_into: a row outside [0, N) is padding
+  # (refused when concrete; under jit it would store past the cache, which
+  # Triton does not bounds-check), and a padding draw is greedy.
+  valid = (idx_map >= 0) & (idx_map < N)
+  rows = jnp.where(valid, idx_map, 0)
+  u = rng.uniforms_from_words(words[rows].reshape(B * S, 2),
+                              positions.reshape(B * S, 1)).reshape(B, S)
+  scale, is_greedy = reference.draw_params(
+      temperature.astype(jnp.float32)[rows])
+  is_greedy = is_greedy | ~valid
+  scale = jnp.where(is_greedy, 1.0, scale)
+  steps = jnp.arange(S, dtype=jnp.int32)[None, :]
+  cache_rows = jnp.where(valid, idx_map * S + steps, -1)
+  body = functools.partial(_local_steps, axis=axis, vocab=V,
+                           exchange=exchange, config=config,
+                           interpret=interpret)
+  fn = _shard_map(
+      body, mesh,
+      in_specs=(P(None, None, axis), P(axis, None), P(), P(), P(), P(), P(),
+                P(None, axis), P()),
+      out_specs=(P(), P(None, axis)))
+  tokens, cache = fn(base, head.proj, head.embed,
+                     anchor_tokens.astype(jnp.int32), scale,
+                     is_greedy.astype(jnp.int32), u, cache.reshape(N * S, V),
+                     cache_rows)
+  return tokens, cache.reshape(N, S, V)
+
+
+_INTO_STATICS = ("mesh", "axis", "exchange", "config", "interpret")
+_sample_draft_into_sharded = jax.jit(_sample_draft_into_sharded_impl,
+                                     static_argnames=_INTO_STATICS)
+_sample_draft_into_sharded_donated = jax.jit(
+    _sample_draft_into_sharded_impl, static_argnames=_INTO_STATICS,
+    donate_argnums=(0,))
+
+
 def _interpret_default(interpret: bool | None, mesh: Mesh) -> bool:
   if interpret is not None:
     return interpret
@@ -342,6 +401,32 @@ def vocab_sharding(mesh: Mesh, axis: str = "vocab"):
       "proj": NamedSharding(mesh, P(axis, None)),
       "replicated": NamedSharding(mesh, P()),
   }
+
+
+def _check_mesh(mesh, axis, exchange, draft_to_target, name):
+  if draft_to_target is not None:
+    raise ValueError(f"{name} does not support draft_to_target (a reduced "
+                     "draft vocabulary): use jm.sample_draft / "
+                     "jm.sample_draft_into on one device")
+  if not isinstance(mesh, Mesh):
+    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+  if axis not in mesh.axis_names:
+    raise ValueError(f"axis {axis!r} is not an axis of the mesh "
+                     f"{tuple(mesh.axis_names)}")
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+
+
+def _config(config, method, batch, vocab_local, rank, interpret):
+  """The caller's configuration, or the tuning table's for the per-shard
+  vocabulary (its block_v applies per shard)."""
+  if config is None:
+    return tuning.choose(method, batch, vocab_local, rank,
+                         interpret=interpret)
+  if method is not None and method != config.method:
+    raise ValueError(f"method={method!r} disagrees with config.method="
+                     f"{config.method!r}")
+  return config
 
 
 def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
@@ -404,31 +489,93 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
       mesh without ``axis``, an unknown ``exchange``, or ``method``
       disagreeing with ``config``.
   """
-  if draft_to_target is not None:
-    raise ValueError("sample_draft_sharded does not support draft_to_target "
-                     "(a reduced draft vocabulary): use jm.sample_draft / "
-                     "jm.sample_draft_into on one device")
-  if not isinstance(mesh, Mesh):
-    raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
-  if axis not in mesh.axis_names:
-    raise ValueError(f"axis {axis!r} is not an axis of the mesh "
-                     f"{tuple(mesh.axis_names)}")
-  if exchange not in EXCHANGES:
-    raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+  _check_mesh(mesh, axis, exchange, draft_to_target, "sample_draft_sharded")
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
   validate.check_temperature(temperature, B, "B", check_values=check_values)
   words = rng.check_seeds(seeds, B, "B")
   interpret = _interpret_default(interpret, mesh)
-  n = mesh.shape[axis]
-  vocab_local = -(-V // n)
-  if config is None:
-    config = tuning.choose(method, B, vocab_local, head.rank,
-                           interpret=interpret)
-  elif method is not None and method != config.method:
-    raise ValueError(f"method={method!r} disagrees with config.method="
-                     f"{config.method!r}")
+  config = _config(config, method, B, -(-V // mesh.shape[axis]), head.rank,
+                   interpret)
   return _sample_draft_sharded(
       jnp.asarray(base_logits), jnp.asarray(anchor_tokens), head, jnp.asarray(temperature), words,
       jnp.asarray(positions), mesh=mesh, axis=axis, exchange=exchange,
       config=config, interpret=interpret)
+
+
+def sample_draft_into_sharded(cache, base_logits, anchor_tokens,
+                              head: MarkovHead, temperature, seeds, idx_map,
+                              positions, *, mesh: Mesh, axis: str = "vocab",
+                              exchange: str = "shards",
+                              interpret: bool | None = None,
+                              method: str | None = None,
+                              config: tuning.KernelConfig | None = None,
+                              donate: bool = True, check_values: bool = True,
+                              draft_to_target=None):
+  """The serving-engine layout of :func:`jax_markov.sample_draft_into`, with
+  the vocabulary sharded over a mesh axis as in :func:`sample_draft_sharded`.
+
+  The logits of (request b, step s) go to ``cache[idx_map[b, s], s, :]``,
+  each device writing its own columns of its cache shard; the temperature
+  and seed of that draw are ``temperature[idx_map[b, s]]`` and
+  ``seeds[idx_map[b, s]]``; an idx_map of -1 is padding (nothing written,
+  some valid token). The draws are sample_draft_into's on one device (same
+  logits, rule and uniforms; the token up to float32 summation order with
+  ``exchange="shards"``, as in :func:`sample_draft_sharded`). Per step each
+  device exchanges block statistics (an all-gather) and the tokens (a psum
+  of int32 [B]); the cache never moves.
+
+  Args:
+    cache: float32 [N, S, V], ideally placed with ``NamedSharding(mesh,
+      P(None, None, axis))`` (``vocab_sharding(mesh)["logits"]``; another
+      placement is resharded by the call, which then cannot update it in
+      place). With ``donate=True`` (the default) its buffer is donated:
+      use the returned cache, not the argument, afterwards.
+    base_logits: [B, S, V] bf16, fp16 or fp32, ``P(None, None, axis)``.
+    anchor_tokens, head, positions: as in :func:`sample_draft_sharded`.
+    temperature: float [N] >= 0, per state row (replicated).
+    seeds: [N] integer seeds or uint32 [N, 2], per state row.
+    idx_map: int [B, S] in [-1, N); no state row twice within a step. Under
+      jit, where it cannot be refused, a row outside [0, N) is padding.
+    mesh, axis, exchange, interpret, method, config, check_values: as in
+      :func:`sample_draft_sharded`.
+    donate: donate ``cache`` to the call.
+    draft_to_target: not supported (ValueError), as in
+      :func:`sample_draft_sharded`.
+
+  V must be a multiple of n = mesh.shape[axis]: the cache is the caller's
+  buffer, which the call updates in place and so cannot pad (the dense
+  :func:`sample_draft_sharded` pads inside the call).
+
+  Returns:
+    (tokens int32 [B, S] replicated, cache float32 [N, S, V] sharded along V
+    over ``axis``).
+
+  Raises:
+    ValueError / TypeError, before anything runs: as
+    :func:`jax_markov.sample_draft_into` (shapes, dtypes, values, a donated
+    cache) and :func:`sample_draft_sharded` (mesh, axis, exchange, method),
+    and for a V that n does not divide.
+  """
+  _check_mesh(mesh, axis, exchange, draft_to_target,
+              "sample_draft_into_sharded")
+  B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
+                                  check_values=check_values)
+  N = validate.check_cache(cache, idx_map, B, S, V, check_values=check_values)
+  validate.check_temperature(temperature, N, "N", check_values=check_values)
+  words = rng.check_seeds(seeds, N, "N")
+  n = mesh.shape[axis]
+  if V % n:
+    raise ValueError(f"sample_draft_into_sharded needs V a multiple of the "
+                     f"{n} devices of mesh axis {axis!r}, got V = {V}: the "
+                     "cache is updated in place and cannot be padded (pad the "
+                     "vocabulary, as a vocabulary-parallel output layer "
+                     "does, or use sample_draft_sharded)")
+  interpret = _interpret_default(interpret, mesh)
+  config = _config(config, method, B, V // n, head.rank, interpret)
+  fn = (_sample_draft_into_sharded_donated if donate
+        else _sample_draft_into_sharded)
+  return fn(jnp.asarray(cache), jnp.asarray(base_logits),
+            jnp.asarray(anchor_tokens), head, jnp.asarray(temperature), words,
+            jnp.asarray(idx_map), jnp.asarray(positions), mesh=mesh,
+            axis=axis, exchange=exchange, config=config, interpret=interpret)

@@ -1,11 +1,12 @@
-"""Runs jm.sample_draft_sharded on 8 host CPU devices; tests/test_sharded.py reads the results.
+"""Runs jm.sample_draft_(into_)sharded on 8 host CPU devices; tests/test_sharded.py reads the results.
 
 The host device count must be set before JAX initialises, and pytest's process
 has initialised it already, so test_sharded.py runs this file in a fresh
 process:  python tests/_sharded_worker.py OUT_DIR
 
 For every case it writes to OUT_DIR/results.npz the sharded draft and the
-single-device draft (jm.sample_draft, same kernel configuration, same process),
+single-device draft (jm.sample_draft, same kernel configuration, same process;
+for the serving layout, jm.sample_draft_into_sharded and jm.sample_draft_into),
 and to OUT_DIR/meta.json how the outputs are placed and which collectives the
 program runs. It asserts nothing: the tests do.
 """
@@ -41,6 +42,35 @@ CASES = {
     "n8_blocks": ((8,), ("vocab",), 1024, "blocks"),   # 128 per shard = block_v
 }
 COLLECTIVE_CASES = ("n2_blocks", "n8_padded")  # one per exchange
+# sample_draft_into_sharded: name: (shards, mesh shape and axis names, V,
+# exchange); V a multiple of the shards (the cache is not padded).
+INTO_CASES = {
+    "into_n4_mesh2d": ((2, 4), ("data", "vocab"), 1020, "shards"),
+    "into_n8_blocks": ((8,), ("vocab",), 1024, "blocks"),
+}
+N_ROWS = 9        # state rows of the serving cache
+SENTINEL = 7.0    # what the cache holds where no draw writes
+
+
+def into_problem(V):
+  """problem(V) in the serving layout: request b keeps state row
+  ``rows[b]`` at every step (the last request is padding, -1), the state
+  rows' temperatures and seeds are the requests', the other rows' are
+  others; the cache holds SENTINEL.
+
+  Returns (cache, base, anchor, head, temperature [N], seeds [N], idx_map,
+  positions, rows)."""
+  base, anchor, head, temperature, seeds, positions = problem(V)
+  rng = np.random.default_rng(31)
+  rows = rng.permutation(N_ROWS)[:B].astype(np.int32)
+  rows[-1] = -1
+  idx_map = np.repeat(rows[:, None], S, axis=1)
+  t_rows = rng.uniform(0.5, 2.0, N_ROWS).astype(np.float32)
+  s_rows = rng.integers(-2**63, 2**63 - 1, N_ROWS, dtype=np.int64)
+  t_rows[rows[:-1]], s_rows[rows[:-1]] = temperature[:-1], seeds[:-1]
+  cache = np.full((N_ROWS, S, V), SENTINEL, np.float32)
+  return (cache, base, anchor, head, t_rows, s_rows, idx_map, positions,
+          rows)
 
 
 def problem(V, seed=30):
@@ -114,6 +144,43 @@ def main(out_dir):
     }
     if name in COLLECTIVE_CASES:
       meta[name]["collectives"] = collectives(problems[V], mesh, "vocab", exchange)
+  into_problems = {V: into_problem(V)
+                   for V in sorted({c[2] for c in INTO_CASES.values()})}
+  for V, (cache, *args, rows) in into_problems.items():
+    tokens, out = jm.sample_draft_into(jnp.asarray(cache), *args,
+                                       config=CONFIG, donate=False)
+    arrays[f"single_into{V}/tokens"] = np.asarray(tokens)
+    arrays[f"single_into{V}/cache"] = np.asarray(out)
+  for name, (shape, names, V, exchange) in INTO_CASES.items():
+    mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), names)
+    cache, base, anchor, head, t_rows, s_rows, idx_map, positions, _ = (
+        into_problems[V])
+    place = sharded.vocab_sharding(mesh, "vocab")
+    cache = jax.device_put(jnp.asarray(cache), place["logits"])
+    base = jax.device_put(base, place["base_logits"])
+    head = jm.MarkovHead(jax.device_put(head.embed, place["replicated"]),
+                         jax.device_put(head.proj, place["proj"]))
+    tokens, out = sharded.sample_draft_into_sharded(
+        cache, base, anchor, head, t_rows, s_rows, idx_map, positions,
+        mesh=mesh, axis="vocab", exchange=exchange, config=CONFIG)
+    arrays[f"{name}/tokens"] = np.asarray(tokens)
+    arrays[f"{name}/cache"] = np.asarray(out)
+    meta[name] = {
+        "V": V, "n": mesh.shape["vocab"], "exchange": exchange,
+        "donated": bool(cache.is_deleted()),
+        "tokens_replicated": bool(tokens.sharding.is_fully_replicated),
+        "cache_shard_shapes": sorted({tuple(s.data.shape)
+                                      for s in out.addressable_shards}),
+    }
+  # A V the shards do not divide: refused before anything runs.
+  mesh = Mesh(devices[:8], ("vocab",))
+  cache, *args, _ = into_problem(1020)
+  try:
+    sharded.sample_draft_into_sharded(jnp.asarray(cache), *args, mesh=mesh,
+                                      config=CONFIG)
+    meta["into_refused"] = None
+  except ValueError as e:
+    meta["into_refused"] = str(e)
   np.savez(os.path.join(out_dir, "results.npz"), **arrays)
   with open(os.path.join(out_dir, "meta.json"), "w") as f:
     json.dump(meta, f, indent=1)

@@ -112,6 +112,91 @@ def test_exchange_is_statistics_and_tokens(results, name):
   assert sorted(map(tuple, m["collectives"])) == sorted([gather, psum] * 2)
 
 
+def _into_case(results, name):
+  """The serving-layout case as dense drafts of its live requests: (meta,
+  sharded (tokens, logits), single-device (tokens, logits), the dense
+  problem of those requests, the two caches, the live state rows)."""
+  meta, arrays = results
+  m = meta[name]
+  V = m["V"]
+  _, *_, rows = worker.into_problem(V)
+  live = rows >= 0
+  base, anchor, head, temperature, seeds, positions = worker.problem(V)
+  dense = (base[live], anchor[live], head, temperature[live], seeds[live],
+           positions[live])
+  drafts = []
+  for key in (name, f"single_into{V}"):
+    tokens, cache = arrays[f"{key}/tokens"], arrays[f"{key}/cache"]
+    # Request b keeps state row rows[b] at every step: cache[rows[b], s] is
+    # the logits of its draw s.
+    drafts.append((tokens[live], cache[rows[live]]))
+  return (m, drafts[0], drafts[1], dense, arrays[f"{name}/cache"],
+          arrays[f"single_into{V}/cache"], rows[live])
+
+
+@pytest.mark.parametrize("name", sorted(worker.INTO_CASES))
+def test_into_equals_single_device_sample_draft_into(results, name):
+  """sample_draft_into_sharded: the draws of jm.sample_draft_into on one
+  device (within float32 rounding of the logits, the tokens wherever they
+  are decided beyond it), each by the rule; nothing written outside the
+  live requests' rows, the padding request's included."""
+  m, got, want, dense, cache, single_cache, live_rows = _into_case(results,
+                                                                  name)
+  V = m["V"]
+  chex.assert_shape(cache, (worker.N_ROWS, worker.S, V))
+  chex.assert_type(cache, np.float32)
+  assert_sample_drafts_agree(got, want, *dense)
+  check_sample_draft(jm.Draft(*got), *dense)
+  untouched = np.setdiff1d(np.arange(worker.N_ROWS), live_rows)
+  assert len(untouched) > 0
+  assert (cache[untouched] == worker.SENTINEL).all()
+  assert (single_cache[untouched] == worker.SENTINEL).all()
+  tokens = got[0]
+  assert (tokens[3] == 0).all()                       # all -inf row
+  assert (tokens[4] >= 300).all()                     # NaN never drawn
+
+
+@pytest.mark.parametrize("name", sorted(worker.INTO_CASES))
+def test_into_placement_and_donation(results, name):
+  m = results[0][name]
+  assert m["tokens_replicated"] and m["donated"]
+  assert m["cache_shard_shapes"] == [[worker.N_ROWS, worker.S,
+                                      m["V"] // m["n"]]]
+
+
+def test_into_refuses_a_vocabulary_the_shards_do_not_divide(results):
+  assert "multiple of the 8 devices" in results[0]["into_refused"]
+
+
+def test_into_rejects_bad_arguments_like_sample_draft_into():
+  base, anchor, head, t, seeds, pos = make_problem(2, 2, 64, 4, seed=35)
+  cache = jnp.zeros((3, 2, 64), jnp.float32)
+  idx = np.array([[0, 0], [2, 2]], np.int32)
+  mesh = _mesh1()
+  with pytest.raises(ValueError, match="temperature must be"):
+    sharded.sample_draft_into_sharded(cache, base, anchor, head, t, seeds,
+                                      idx, pos, mesh=mesh)  # [B], not [N]
+  t3, s3 = np.ones(3, np.float32), np.arange(3)
+  with pytest.raises(ValueError, match="idx_map"):
+    sharded.sample_draft_into_sharded(cache, base, anchor, head, t3, s3,
+                                      idx[:1], pos, mesh=mesh)
+  with pytest.raises(ValueError, match="draft_to_target"):
+    sharded.sample_draft_into_sharded(cache, base, anchor, head, t3, s3, idx,
+                                      pos, mesh=mesh,
+                                      draft_to_target=np.arange(64))
+  with pytest.raises(ValueError, match="not an axis of the mesh"):
+    sharded.sample_draft_into_sharded(cache, base, anchor, head, t3, s3, idx,
+                                      pos, mesh=mesh, axis="tp")
+  tokens, out = sharded.sample_draft_into_sharded(
+      cache, base, anchor, head, t3, s3, idx, pos, mesh=mesh)
+  chex.assert_shape(tokens, (2, 2))
+  with pytest.raises(ValueError, match="donated"):
+    sharded.sample_draft_into_sharded(cache, base, anchor, head, t3, s3, idx,
+                                      pos, mesh=mesh)
+  want, _ = jm.sample_draft_into(out, base, anchor, head, t3, s3, idx, pos)
+  np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want))
+
+
 def _mesh1(names=("vocab",)):
   return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
 
@@ -161,6 +246,42 @@ def test_gpu_all_devices_small(exchange):
                                        config=config)
   single = jm.sample_draft(*args, config=config)
   assert_sample_drafts_agree(draft, single, *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exchange", sharded.EXCHANGES)
+def test_gpu_into_all_devices_small(exchange):
+  """The serving layout over every GPU: jm.sample_draft_into's draws and
+  cache rows, a padding request writing nothing."""
+  devices = jax.devices()
+  n = len(devices)
+  mesh = Mesh(np.array(devices), ("vocab",))
+  B, S, V, N = 16, 3, 1024 * n, 20
+  base, anchor, head, t, seeds, pos = make_problem(B, S, V, 64, seed=36)
+  rows = np.random.default_rng(36).permutation(N)[:B].astype(np.int32)
+  rows[-1] = -1
+  idx = np.repeat(rows[:, None], S, axis=1)
+  t_rows, s_rows = np.ones(N, np.float32), np.arange(N, dtype=np.int64)
+  t_rows[rows[:-1]], s_rows[rows[:-1]] = np.asarray(t)[:-1], np.asarray(
+      seeds)[:-1]
+  config = jm.KernelConfig(method="fused", block_b=16, block_v=256, block_k=64)
+  cache = jax.device_put(jnp.full((N, S, V), 7.0, jnp.float32),
+                         sharded.vocab_sharding(mesh)["logits"])
+  tokens, out = sharded.sample_draft_into_sharded(
+      cache, base, anchor, head, t_rows, s_rows, idx, pos, mesh=mesh,
+      exchange=exchange, config=config)
+  want_tokens, want = jm.sample_draft_into(
+      jnp.full((N, S, V), 7.0, jnp.float32), base, anchor, head, t_rows,
+      s_rows, idx, pos, config=config)
+  live = rows >= 0
+  dense = (np.asarray(base)[live], np.asarray(anchor)[live], head,
+           np.asarray(t)[live], np.asarray(seeds)[live], np.asarray(pos)[live])
+  out, want = np.asarray(out), np.asarray(want)
+  assert_sample_drafts_agree(
+      (np.asarray(tokens)[live], out[rows[live]]),
+      (np.asarray(want_tokens)[live], want[rows[live]]), *dense)
+  untouched = np.setdiff1d(np.arange(N), rows[live])
+  assert (out[untouched] == 7.0).all()
 
 
 @pytest.mark.gpu
