@@ -303,11 +303,12 @@ def _local_steps(base, proj, embed, anchor_tokens, scale, greedy, u,
   return jnp.concatenate([tokens0[:, None], tokens.T], axis=1), cache
 
 
-@functools.partial(jax.jit, static_argnames=("mesh", "axis", "exchange",
-                                             "config", "interpret"))
+@functools.partial(jax.jit, static_argnames=("mesh", "axis", "data_axis",
+                                             "exchange", "config",
+                                             "interpret"))
 def _sample_draft_sharded(base, anchor_tokens, head, temperature, words,
-                          positions, *, mesh, axis, exchange, config,
-                          interpret):
+                          positions, *, mesh, axis, data_axis, exchange,
+                          config, interpret):
   B, S, V = base.shape
   n = mesh.shape[axis]
   pad = -V % n
@@ -320,18 +321,30 @@ def _sample_draft_sharded(base, anchor_tokens, head, temperature, words,
   u = rng.uniforms_from_words(words, positions)
   t = jnp.broadcast_to(temperature.astype(jnp.float32)[:, None], (B, S))
   scale, is_greedy = reference.draw_params(t)  # greedy wherever not T > 0
+  anchor_tokens = anchor_tokens.astype(jnp.int32)
+  pad_b = -B % mesh.shape[data_axis] if data_axis is not None else 0
+  if pad_b:
+    # Requests added so that the data axis divides B: greedy draws from
+    # base 0 (any valid token), sliced off below.
+    rows = lambda x: jnp.pad(x, ((0, pad_b),) + ((0, 0),) * (x.ndim - 1))  # noqa: E731
+    base, anchor_tokens, scale, u = map(rows, (base, anchor_tokens, scale, u))
+    is_greedy = jnp.pad(is_greedy, ((0, pad_b), (0, 0)), constant_values=True)
   body = functools.partial(_local_steps, axis=axis, vocab=V,
                            exchange=exchange, config=config,
                            interpret=interpret)
+  # Requests over data_axis (None: replicated), each data shard drawing its
+  # own; the vocabulary over axis, the exchanges within a data shard only.
+  d = data_axis
   fn = _shard_map(
       body, mesh,
-      in_specs=(P(None, None, axis), P(axis, None), P(), P(), P(), P(), P()),
-      out_specs=(P(), P(None, axis)))
-  tokens, cache = fn(base, proj, head.embed, anchor_tokens.astype(jnp.int32),
-                     scale, is_greedy.astype(jnp.int32), u)
-  logits = cache.reshape(B, S, V + pad)
-  if pad:
-    logits = logits[:, :, :V]
+      in_specs=(P(d, None, axis), P(axis, None), P(), P(d), P(d, None),
+                P(d, None), P(d, None)),
+      out_specs=(P(d, None), P(d, axis)))
+  tokens, cache = fn(base, proj, head.embed, anchor_tokens, scale,
+                     is_greedy.astype(jnp.int32), u)
+  logits = cache.reshape(B + pad_b, S, V + pad)
+  if pad or pad_b:
+    tokens, logits = tokens[:B], logits[:B, :, :V]
   return Draft(tokens, logits)
 
 
@@ -432,6 +445,7 @@ def _config(config, method, batch, vocab_local, rank, interpret):
 def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
                          temperature, seeds, positions, *, mesh: Mesh,
                          axis: str = "vocab", exchange: str = "shards",
+                         data_axis: str | None = None,
                          interpret: bool | None = None,
                          method: str | None = None,
                          config: tuning.KernelConfig | None = None,
@@ -459,8 +473,15 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
       :func:`jax_markov.rng.seed_words`.
     positions: int [B, S] >= 0, the position each draw is keyed by.
     mesh: a ``jax.sharding.Mesh`` holding ``axis``. Other mesh axes see
-      replicated arrays (every device of them runs the same work).
+      replicated arrays (every device of them runs the same work), but
+      ``data_axis``.
     axis: the mesh axis that shards the vocabulary.
+    data_axis: None, or another mesh axis that splits the requests (data
+      parallelism): base_logits ``P(data_axis, None, axis)``, the per
+      request arrays and the tokens ``P(data_axis)``; each data shard draws
+      its own requests, exchanging only within its vocabulary group. A B
+      that the axis does not divide is padded inside the call with greedy
+      requests, sliced off on return.
     exchange: "shards" (2 float32 per request and device per step) or
       "blocks" (2 float32 per request and vocabulary block; bit-for-bit the
       single-device block arithmetic when V / n is a multiple of block_v).
@@ -481,26 +502,34 @@ def sample_draft_sharded(base_logits, anchor_tokens, head: MarkovHead,
   logits are sliced back to V (their placement is then XLA's choice).
 
   Returns:
-    Draft(tokens int32 [B, S] replicated, logits float32 [B, S, V] sharded
-    along V over ``axis`` when n divides V).
+    Draft(tokens int32 [B, S] replicated (split over ``data_axis`` where
+    given), logits float32 [B, S, V] sharded along V over ``axis`` when n
+    divides V (and along B over ``data_axis`` when it divides B)).
 
   Raises:
     ValueError / TypeError: bad shapes, dtypes or values (as sample_draft), a
-      mesh without ``axis``, an unknown ``exchange``, or ``method``
-      disagreeing with ``config``.
+      mesh without ``axis``, a ``data_axis`` that is not another axis of
+      the mesh, an unknown ``exchange``, or ``method`` disagreeing with
+      ``config``.
   """
   _check_mesh(mesh, axis, exchange, draft_to_target, "sample_draft_sharded")
+  if data_axis is not None and (data_axis not in mesh.axis_names
+                                or data_axis == axis):
+    raise ValueError(f"data_axis {data_axis!r} must be an axis of the mesh "
+                     f"{tuple(mesh.axis_names)} other than axis {axis!r}")
   B, S, V = validate.check_common(base_logits, anchor_tokens, head, positions,
                                   check_values=check_values)
   validate.check_temperature(temperature, B, "B", check_values=check_values)
   words = rng.check_seeds(seeds, B, "B")
   interpret = _interpret_default(interpret, mesh)
-  config = _config(config, method, B, -(-V // mesh.shape[axis]), head.rank,
-                   interpret)
+  # The tile for the requests one device draws.
+  local_b = -(-B // mesh.shape[data_axis]) if data_axis is not None else B
+  config = _config(config, method, local_b, -(-V // mesh.shape[axis]),
+                   head.rank, interpret)
   return _sample_draft_sharded(
       jnp.asarray(base_logits), jnp.asarray(anchor_tokens), head, jnp.asarray(temperature), words,
-      jnp.asarray(positions), mesh=mesh, axis=axis, exchange=exchange,
-      config=config, interpret=interpret)
+      jnp.asarray(positions), mesh=mesh, axis=axis, data_axis=data_axis,
+      exchange=exchange, config=config, interpret=interpret)
 
 
 def sample_draft_into_sharded(cache, base_logits, anchor_tokens,

@@ -42,6 +42,13 @@ CASES = {
     "n8_blocks": ((8,), ("vocab",), 1024, "blocks"),   # 128 per shard = block_v
 }
 COLLECTIVE_CASES = ("n2_blocks", "n8_padded")  # one per exchange
+# The requests split over the mesh's "data" axis too (data_axis="data"):
+# name: (mesh shape, V, exchange); B = 6 over 2 data shards, and over 4
+# (padded to 8 inside the call).
+DATA_CASES = {
+    "dp2_n4": ((2, 4), 1020, "shards"),
+    "dp4_n2_padded": ((4, 2), 1024, "blocks"),
+}
 # sample_draft_into_sharded: name: (shards, mesh shape and axis names, V,
 # exchange); V a multiple of the shards (the cache is not padded).
 INTO_CASES = {
@@ -104,7 +111,8 @@ def collectives(args, mesh, axis, exchange):
   text = sharded._sample_draft_sharded.lower(
       jnp.asarray(base), jnp.asarray(anchor), head, jnp.asarray(temperature),
       jm.rng.seed_words(seeds), jnp.asarray(positions), mesh=mesh, axis=axis,
-      exchange=exchange, config=CONFIG, interpret=True).as_text()
+      data_axis=None, exchange=exchange, config=CONFIG,
+      interpret=True).as_text()
   found = []
   pattern = r'"stablehlo\.(all_gather|all_reduce|all_to_all|reduce_scatter|collective_permute|collective_broadcast)"'
   for match in re.finditer(pattern, text):
@@ -144,6 +152,23 @@ def main(out_dir):
     }
     if name in COLLECTIVE_CASES:
       meta[name]["collectives"] = collectives(problems[V], mesh, "vocab", exchange)
+  for name, (shape, V, exchange) in DATA_CASES.items():
+    mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape),
+                ("data", "vocab"))
+    base, anchor, head, temperature, seeds, positions = problems[V]
+    draft = sharded.sample_draft_sharded(
+        base, anchor, head, temperature, seeds, positions, mesh=mesh,
+        axis="vocab", data_axis="data", exchange=exchange, config=CONFIG)
+    arrays[f"{name}/tokens"] = np.asarray(draft.tokens)
+    arrays[f"{name}/logits"] = np.asarray(draft.logits)
+    meta[name] = {
+        "V": V, "n": mesh.shape["vocab"], "data": mesh.shape["data"],
+        "exchange": exchange,
+        "tokens_shard_shapes": sorted({tuple(s.data.shape)
+                                       for s in draft.tokens.addressable_shards}),
+        "logits_shard_shapes": sorted({tuple(s.data.shape)
+                                       for s in draft.logits.addressable_shards}),
+    }
   into_problems = {V: into_problem(V)
                    for V in sorted({c[2] for c in INTO_CASES.values()})}
   for V, (cache, *args, rows) in into_problems.items():

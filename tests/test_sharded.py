@@ -27,6 +27,9 @@ from helpers import assert_sample_drafts_agree, check_sample_draft, make_problem
 import _sharded_worker as worker
 
 CASES = sorted(worker.CASES)
+# Every dense case: the vocabulary split alone, and with the requests split
+# over a data axis too.
+DENSE_CASES = CASES + sorted(worker.DATA_CASES)
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +66,12 @@ def _case(results, name):
 def test_cases_cover_shard_counts():
   assert sorted({worker.CASES[c][0][-1] for c in CASES}) == [1, 2, 4, 8]
   assert any(V % shape[-1] for shape, _, V, _ in worker.CASES.values())
+  # A data axis that divides B, and one that B is padded for.
+  assert sorted(worker.B % shape[0] == 0
+                for shape, _, _ in worker.DATA_CASES.values()) == [False, True]
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", DENSE_CASES)
 def test_equals_single_device(results, name):
   m, tokens, logits, want_tokens, want_logits = _case(results, name)
   B, S, V = worker.B, worker.S, m["V"]
@@ -80,7 +86,7 @@ def test_equals_single_device(results, name):
                              *worker.problem(V))
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", DENSE_CASES)
 def test_contract(results, name):
   m, tokens, logits, _, _ = _case(results, name)
   args = worker.problem(m["V"])
@@ -97,6 +103,31 @@ def test_placement(results, name):
   assert m["tokens_replicated"]
   if m["V"] % m["n"] == 0:
     assert m["logits_shard_shapes"] == [[worker.B, worker.S, m["V"] // m["n"]]]
+
+
+@pytest.mark.parametrize("name", sorted(
+    name for name, (shape, _, _) in worker.DATA_CASES.items()
+    if worker.B % shape[0] == 0))
+def test_data_axis_splits_the_requests(results, name):
+  """With data_axis dividing B the tokens are split over it and the
+  logits over both axes (a B padded inside the call comes back as XLA
+  places the slice: its values are test_equals_single_device's)."""
+  m = results[0][name]
+  B, S, V, n, d = worker.B, worker.S, m["V"], m["n"], m["data"]
+  assert m["tokens_shard_shapes"] == [[B // d, S]]
+  assert m["logits_shard_shapes"] == [[B // d, S, V // n]]
+
+
+def test_rejects_a_data_axis_that_is_not_another_axis():
+  args = make_problem(2, 2, 64, 4, seed=37)
+  mesh = _mesh1(("data", "vocab"))
+  for bad in ("vocab", "dp"):
+    with pytest.raises(ValueError, match="data_axis"):
+      sharded.sample_draft_sharded(*args, mesh=mesh, data_axis=bad)
+  draft = sharded.sample_draft_sharded(*args, mesh=mesh, data_axis="data")
+  want = jm.sample_draft(*args)
+  np.testing.assert_array_equal(np.asarray(draft.tokens),
+                                np.asarray(want.tokens))
 
 
 @pytest.mark.parametrize("name", worker.COLLECTIVE_CASES)
