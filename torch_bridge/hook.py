@@ -147,8 +147,9 @@ class FusedMarkovSampler:
         stream around each draft's launches. Proj's persisting lines then
         stay in L2 after the draft, leaving other kernels that much less
         until :meth:`release_l2`. Same results either way. Off by default:
-        not yet timed (docs/perf-notes.md change 59). The jax runtime
-        ignores it.
+        on an H100 it made the captured draft slower at every batch, 3-5%
+        at B = 1 to 4 and 21-133% at B = 16 to 256 (docs/perf-notes.md
+        change 60). The jax runtime ignores it.
 
     The hook owns the scratch its draft uses (statistics, draw parameters,
     tokens): keep it alive as long as any CUDA graph captured with it may be
