@@ -27,8 +27,8 @@ class KernelConfig:
       XLA GEMM writes the bias [B, V] to HBM and the block pass reads it:
       vLLM's design), or "mosaic": the fused block pass as a Pallas Mosaic
       GPU kernel (kernels/mosaic_block_pass.py; Hopper only, bfloat16, no
-      reduced vocabulary, no greedy drafting, no interpreter), block_b 64 or
-      128, block_v 64 or 128, num_stages its proj chunks in flight (< 2:
+      reduced vocabulary, no greedy drafting, no interpreter), block_b 64,
+      128 or 192 (three consumer warpgroups), block_v 64 or 128, num_stages its proj chunks in flight (< 2:
       as many as fit in shared memory); the select pass stays Triton.
     block_b: requests per block-pass program (1 for "xla_bias").
     block_v: vocabulary columns per block-pass program (power of two).
@@ -78,7 +78,7 @@ class KernelConfig:
       loads evict_last at every step (one static policy: no branch between
       two rank loops as proj_l2_rows takes). "none": no hints
       (docs/perf-notes.md change 54).
-    fold_chunks: method="mosaic" with block_b = 128 only: each CTA walks one
+    fold_chunks: method="mosaic" with block_b = 128 or 192: each CTA walks one
       contiguous chunk of vocabulary blocks and its epilogue also reduces
       them to the chunk statistics the select pass reads, so there is no
       chunk pass a step (kernels/chunk_pass.py; docs/perf-notes.md change
@@ -208,11 +208,11 @@ class KernelConfig:
           "select='persistent' needs the fused method and proj_l2_rows=0, "
           f"got method={self.method!r}, proj_l2_rows={self.proj_l2_rows}")
     if self.method == "mosaic" and not (
-        self.block_b in (64, 128) and self.block_v in (64, 128)
+        self.block_b in (64, 128, 192) and self.block_v in (64, 128)
         and self.select == "pass" and self.proj_l2_rows == 0):
       raise ValueError(
-          "method='mosaic' needs block_b and block_v in (64, 128), "
-          "select='pass' and proj_l2_rows=0, got "
+          "method='mosaic' needs block_b in (64, 128, 192), block_v in "
+          "(64, 128), select='pass' and proj_l2_rows=0, got "
           f"block_b={self.block_b}, block_v={self.block_v}, "
           f"select={self.select!r}, proj_l2_rows={self.proj_l2_rows}")
     if self.proj_l2_rows < 0 or (self.proj_l2_rows and not fused):

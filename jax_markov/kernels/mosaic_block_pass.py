@@ -37,13 +37,16 @@ Kernel layout (all static, chosen by :func:`plan`):
   its consumers carry each row's running max, sum and first argmax over
   them, stored once at the end as chunk statistics [NC, B] (what
   kernels/chunk_pass.py computes in a launch of its own).
-* 3 warpgroups: warpgroup 2 issues every TMA load; warpgroups 0 and 1 each
-  own a 64-request x ``block_v`` tile of every vocabulary tile: with
-  ``block_b`` = 128 they split the requests (cta_v = block_v), with
-  ``block_b`` = 64 they split the columns (cta_v = 2 * block_v). With
-  ``store_warpgroup`` (warp row stores only) a fourth, warpgroup 3, stores
-  the consumers' staged cache rows, so that they do not stop issuing WGMMA
-  for their own stores.
+* C consumer warpgroups and a producer: warpgroup C issues every TMA load;
+  warpgroups 0 ... C - 1 each own a 64-request x ``block_v`` tile of every
+  vocabulary tile: with ``block_b`` = 128 or 192 (C = 2 or 3) they split
+  the requests (cta_v = block_v), with ``block_b`` = 64 (C = 2) they split
+  the columns (cta_v = 2 * block_v). With ``store_warpgroup`` (warp row
+  stores only) one more, warpgroup C + 1, stores the consumers' staged
+  cache rows, so that they do not stop issuing WGMMA for their own stores.
+  Three consumers (B = 129 to 192 in one request tile, so that proj streams
+  through each SM once a step rather than once per 128-request tile) share
+  the register file four ways: 152 registers a consumer thread.
 * shared memory: the [block_b, R] embedding tile (loaded once), a ring of
   ``max_concurrent_steps`` proj chunks [cta_v, 64] (R is walked in chunks of
   64 columns: one 128-byte swizzle row of bf16), a ring of 2 base tiles
@@ -101,18 +104,30 @@ WG_ROWS = 64
 TILE_K = 64
 # Columns of one cache staging tile: 64 float32 are two 128-byte rows.
 EPI_V = 64
+# Consumer warpgroups of a 64- or 128-request CTA; a 192-request CTA has 3.
 NUM_COMPUTE_WGS = 2
+# Requests a CTA (block_b): 64 (two consumers split each tile's columns),
+# 128 or 192 (two or three consumers split the requests).
+BLOCK_BS = (64, 128, 192)
 # float32 words a row of the warp-store staging tile (row_stores="warp"):
 # 8 words of padding put the 8 rows of one WGMMA-layout store in different
 # banks (a 64-word pitch maps them all to the same 8).
 STAGE_PITCH = EPI_V + 8
+# Three consumers' staging tiles at that pitch leave room for only two proj
+# chunks beside a 192-request tile's embeddings at R = 256: a 68-word pitch
+# (4 words of padding, two rows of a store sharing banks) makes room for a
+# third (plan).
+NARROW_PITCH = EPI_V + 4
+# Mosaic GPU places each shared-memory buffer at a multiple of 1024 bytes.
+SMEM_ALIGN = 1024
 ROW_STORES = ("tma", "warp")
 # Stages a measurement may leave out (``_omit``; benchmarks/block_step.py
 # --omit): the WGMMA, the cache stores, the statistics. A kernel without one
 # computes wrong outputs; it exists to time the rest.
 OMITTABLE = ("mma", "cache", "stats")
-# Dynamic shared memory per CTA on sm_90 (227 KiB), less a margin for the
-# barriers and Mosaic's own scratch.
+# Dynamic shared memory per CTA on sm_90 (227 KiB), less the 2048 bytes
+# Mosaic GPU adds to the buffers and barriers (smem_bytes; measured by
+# lowering every plan of the tests on the CPU).
 SMEM_LIMIT = 227 * 1024 - 2048
 DEFAULT_NUM_SMS = 132  # H100 SXM / H200
 # The largest portable thread-block cluster.
@@ -149,6 +164,8 @@ class Plan:
   # A fourth warpgroup stores the cache rows from out_slots staging tiles a
   # consumer (warp row stores only).
   store_wg: bool = False
+  # float32 words a row of a warp-store staging tile.
+  stage_pitch: int = STAGE_PITCH
 
   @property
   def num_blocks(self) -> int:
@@ -169,8 +186,10 @@ class Plan:
   @property
   def smem_bytes(self) -> int:
     return smem_bytes(self.block_b, self.cta_v, self.rank, self.block_v,
-                      self.stages, self.out_slots, self.row_stores,
-                      self.base_slots)
+                      self.stages, self.out_slots,
+                      "warp" if self.warp_rows else "tma", self.base_slots,
+                      halves=self.halves, store_wg=self.store_wg,
+                      cluster=self.cluster > 1, pitch=self.stage_pitch)
 
   @property
   def warp_rows(self) -> bool:
@@ -179,26 +198,57 @@ class Plan:
     return self.partial or (self.state_rows and self.row_stores == "warp")
 
   @property
+  def consumers(self) -> int:
+    """Consumer warpgroups a CTA (warpgroups 0 ... consumers - 1)."""
+    return consumers(self.block_b)
+
+  @property
   def num_wgs(self) -> int:
     """Warpgroups a CTA: the consumers, the producer and, with store_wg,
     the store warpgroup."""
-    return NUM_COMPUTE_WGS + 1 + int(self.store_wg)
+    return self.consumers + 1 + int(self.store_wg)
+
+  @property
+  def consumer_registers(self) -> int:
+    """Registers a consumer thread may hold (setmaxnreg, a multiple of 8):
+    what the 64K-register file leaves beside 40 a thread of the producer
+    (and of the store warpgroup), at most 232."""
+    free = 65536 - 40 * 128 * (self.num_wgs - self.consumers)
+    return min(232, free // (128 * self.consumers) // 8 * 8)
+
+
+def consumers(block_b: int) -> int:
+  """Consumer warpgroups of a block_b-request CTA: 2 at block_b = 64 (they
+  split the columns), else one per 64 requests."""
+  return NUM_COMPUTE_WGS if block_b == WG_ROWS else block_b // WG_ROWS
 
 
 def smem_bytes(block_b: int, cta_v: int, rank: int, block_v: int, stages: int,
                out_slots: int, row_stores: str = "tma",
-               base_slots: int = 2) -> int:
-  """Shared memory of one CTA, in bytes (barriers excluded)."""
-  emb = block_b * rank * 2
-  proj = stages * cta_v * TILE_K * 2
-  base = base_slots * block_b * cta_v * 2
-  if row_stores == "warp":  # out_slots padded staging tiles and the rows
-    out = NUM_COMPUTE_WGS * WG_ROWS * (out_slots * STAGE_PITCH + 1) * 4
+               base_slots: int = 2, *, halves: int = 1,
+               store_wg: bool = False, cluster: bool = False,
+               pitch: int = STAGE_PITCH) -> int:
+  """Shared memory of one CTA, in bytes, as Mosaic GPU lays it out: each
+  buffer at a multiple of SMEM_ALIGN, then 8 bytes a barrier (its own 2048
+  bytes on top are SMEM_LIMIT's margin). row_stores "warp": the cache is
+  staged in [64, pitch] tiles for warp row stores, else [64, 64] TMA tiles."""
+  wgs = consumers(block_b)
+  align = lambda n: -(-n // SMEM_ALIGN) * SMEM_ALIGN
+  if row_stores == "warp":
+    out = wgs * (out_slots if store_wg else 1) * WG_ROWS * pitch * 4
   else:
-    out = NUM_COMPUTE_WGS * out_slots * WG_ROWS * EPI_V * 4
-  stats = 3 * NUM_COMPUTE_WGS * WG_ROWS * 4
+    out = wgs * out_slots * WG_ROWS * EPI_V * 4
+  buffers = (block_b * rank * 2,                  # embeddings
+             stages * cta_v * TILE_K * 2,         # proj ring
+             base_slots * block_b * cta_v * 2,    # base ring
+             out,                                 # cache staging
+             wgs * WG_ROWS * 4 if row_stores == "warp" else 4,  # cache rows
+             *(3 * (wgs * WG_ROWS * 4,)))         # max, sum, argmax rows
+  num_k = rank // TILE_K
+  barriers = (num_k * halves + 2 * stages + base_slots * (halves + 1)
+              + int(cluster) + (2 * wgs * out_slots if store_wg else 0))
   del block_v
-  return emb + proj + base + out + stats
+  return sum(align(b) for b in buffers) + 8 * barriers
 
 
 def available() -> tuple[bool, str]:
@@ -231,8 +281,9 @@ def _num_sms() -> int:
 def default_chunk(batch: int, vocab: int, *, block_b: int | None = None,
                   block_v: int = 128, num_sms: int | None = None) -> int:
   """The ``chunk`` that keeps one CTA an SM: the vocabulary tiles split
-  into ``num_sms // (B / block_b)`` contiguous runs (block_b = 128 only:
-  the chunk statistics need each consumer to see every block of its rows).
+  into ``num_sms // (B / block_b)`` contiguous runs (block_b = 128 or 192
+  only: the chunk statistics need each consumer to see every block of its
+  rows).
 
   At the DeepSeek-V4 shape, B = 256, block_v = 64 on 132 SMs: 2020 blocks
   in 66 runs of 31, the strided workers' 30-31 tiles each.
@@ -247,11 +298,12 @@ def epilogue_chunk(config, batch: int, vocab: int,
                    num_sms: int | None = None) -> int | None:
   """The ``chunk`` a sampler passes for a KernelConfig (method "mosaic"):
   :func:`default_chunk` where the config folds the chunk statistics into
-  this pass (``fold_chunks`` and block_b = 128), else None (a chunk pass
-  reduces the block statistics)."""
-  if not (config.fold_chunks and config.block_b == 128):
+  this pass (``fold_chunks`` and block_b = 128 or 192), else None (a chunk
+  pass reduces the block statistics)."""
+  if not (config.fold_chunks and config.block_b in (128, 192)):
     return None
-  return default_chunk(batch, vocab, block_b=128, block_v=config.block_v,
+  return default_chunk(batch, vocab, block_b=config.block_b,
+                       block_v=config.block_v,
                        num_sms=num_sms)
 
 
@@ -295,8 +347,8 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
     raise ValueError(f"block_v must be 64 or 128, got {block_v}")
   if block_b is None:
     block_b = 128 if batch % 128 == 0 else 64
-  if block_b not in (64, 128):
-    raise ValueError(f"block_b must be 64 or 128, got {block_b}")
+  if block_b not in BLOCK_BS:
+    raise ValueError(f"block_b must be one of {BLOCK_BS}, got {block_b}")
   if batch % block_b and not (batch >= WG_ROWS and batch % 4 == 0):
     # A partial last tile loads 64-row TMA boxes (B >= 64) and stores its
     # statistics' [NB, B] rows by TMA (a row of B float32 a multiple of 16
@@ -346,17 +398,25 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
     # during the step before it), then double-buffered cache staging.
     candidates = [(p, e) for p in range(2 * num_k, 1, -1)
                   for e in slot_choices]
-  fitting = [(p, e) for p, e in candidates
-             if smem_bytes(block_b, cta_v, rank, block_v, p, e,
-                           row_stores, base_slots) <= SMEM_LIMIT]
+  halves = block_b // WG_ROWS if batch % block_b else 1
+  # The narrow staging pitch only where three consumers' staging tiles
+  # would otherwise cost a proj chunk in flight (the two-consumer plans
+  # keep the conflict-free pitch they were measured with).
+  pitches = ((STAGE_PITCH, NARROW_PITCH) if consumers(block_b) == 3
+             and warp_rows else (STAGE_PITCH,))
+  size = lambda p, e, w: smem_bytes(
+      block_b, cta_v, rank, block_v, p, e, "warp" if warp_rows else "tma",
+      base_slots, halves=halves, store_wg=store_wg, cluster=multicast,
+      pitch=w)
+  fitting = [(p, e, w) for p, e in candidates for w in pitches
+             if size(p, e, w) <= SMEM_LIMIT]
   if not fitting:
-    need = smem_bytes(block_b, cta_v, rank, block_v, candidates[-1][0], 1,
-                      row_stores, base_slots)
+    need = size(candidates[-1][0], 1, pitches[-1])
     raise ValueError(
         f"block_b = {block_b}, block_v = {block_v}, R = {rank}, "
         f"max_concurrent_steps = {candidates[-1][0]} need {need} bytes of "
         f"shared memory, more than {SMEM_LIMIT}")
-  stages, out_slots = fitting[0]
+  stages, out_slots, stage_pitch = fitting[0]
   num_b_tiles = -(-batch // block_b)
   num_v_tiles = vocab // cta_v
   sms = num_sms or _num_sms()
@@ -364,8 +424,9 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
   if chunk is not None:
     if split_v:
       raise ValueError(
-          "chunk statistics need block_b = 128 (with 64 the two consumers "
-          "split each tile's columns, and neither sees every block of a row)")
+          "chunk statistics need block_b = 128 or 192 (with 64 the two "
+          "consumers split each tile's columns, and neither sees every block "
+          "of a row)")
     if chunk < 1:
       raise ValueError(f"chunk must be >= 1 blocks, got {chunk}")
     if "stats" in omit:
@@ -388,7 +449,7 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
               num_k=num_k, stages=stages, out_slots=out_slots,
               row_stores=row_stores, omit=tuple(omit), base_slots=base_slots,
               cluster=cluster, chunk=chunk or 0, state_rows=state_rows,
-              store_wg=store_wg,
+              store_wg=store_wg, stage_pitch=stage_pitch,
               num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
 
 
@@ -409,7 +470,7 @@ def _pointers(stage, rows, cache):
   return ptrs
 
 
-def _emit_stage(x, row_i, col_i, stage_ptr):
+def _emit_stage(x, row_i, col_i, stage_ptr, *, pitch: int):
   """MLIR (inside inline_mgpu): each register pair of x to the staging tile
   at its (row, column). Arguments as :func:`_store_rows_by_warp`'s."""
   i32 = ir.IntegerType.get_signless(32)
@@ -419,12 +480,13 @@ def _emit_stage(x, row_i, col_i, stage_ptr):
                         col_i.registers.flat, strict=True):
     r = vector.extract(rr, dynamic_position=[], static_position=first)
     j = vector.extract(cr, dynamic_position=[], static_position=first)
-    off = arith.addi(arith.muli(r, arith.constant(i32, STAGE_PITCH)), j)
+    off = arith.addi(arith.muli(r, arith.constant(i32, pitch)), j)
     llvm.store(xr, mgpu.utils.getelementptr(stage_ptr, [off], f32),
                alignment=8)
 
 
-def _emit_row_stores(stage_ptr, rows_ptr, cache_ptr, *, vocab: int):
+def _emit_row_stores(stage_ptr, rows_ptr, cache_ptr, *, vocab: int,
+                     pitch: int):
   """MLIR (inside inline_mgpu): warp w of the warpgroup stores rows w, w + 4,
   ..., w + 60 of the staging tile, each one 256-byte row of the cache (lane
   l: columns 2l and 2l + 1), skipping rows whose cache row is < 0."""
@@ -443,7 +505,7 @@ def _emit_row_stores(stage_ptr, rows_ptr, cache_ptr, *, vocab: int):
   for k in range(WG_ROWS // 4):
     r = arith.addi(warp, c(4 * k))
     v = llvm.load(pair, mgpu.utils.getelementptr(
-        stage_ptr, [arith.addi(arith.muli(r, c(STAGE_PITCH)), col)], f32))
+        stage_ptr, [arith.addi(arith.muli(r, c(pitch)), col)], f32))
     row = llvm.load(i32, mgpu.utils.getelementptr(rows_ptr, [r], i32))
     with mgpu.utils.when(arith.cmpi(arith.CmpIPredicate.sge, row, zero)):
       # int64: N * V can pass 2**31 (M = 2048, S = 8 at V = 129280).
@@ -459,9 +521,9 @@ def _store_rows_by_warp(x, row_i, col_i, stage, rows, cache, *, vocab: int):
   [64, EPI_V] in the WGMMA layout (each register of x is 2 consecutive
   columns of one row; the matching registers of row_i and col_i hold that
   row and its first column); stage the consumer's float32
-  [64, STAGE_PITCH] staging tile; rows its int32 [64] cache rows (< 0:
-  padding, not stored) in shared memory; cache the [N, EPI_V] column window
-  of the [N, vocab] cache this tile goes to.
+  [64, pitch] staging tile (Plan.stage_pitch words a row); rows its int32
+  [64] cache rows (< 0: padding, not stored) in shared memory; cache the
+  [N, EPI_V] column window of the [N, vocab] cache this tile goes to.
 
   Why: a state-indexed cache scatters a request tile's rows. One TMA a
   256-byte row costs more than the step (docs/perf-notes.md change 34), and
@@ -470,16 +532,18 @@ def _store_rows_by_warp(x, row_i, col_i, stage, rows, cache, *, vocab: int):
   warp store is one whole row: lane l writes columns 2l and 2l + 1.
   """
   layout = plgpu.Layout.WGMMA
+  pitch = stage.shape[-1]
 
   @plgpu.inline_mgpu(arg_types=(layout, layout, layout, plgpu.RefType(),
                                 plgpu.RefType(), plgpu.RefType()))
   def store(ctx, x, row_i, col_i, stage, rows, cache):
     del ctx
     stage_ptr, rows_ptr, cache_ptr = _pointers(stage, rows, cache)
-    _emit_stage(x, row_i, col_i, stage_ptr)
+    _emit_stage(x, row_i, col_i, stage_ptr, pitch=pitch)
     # Every thread's pairs are in the tile before any warp reads a row.
     mgpu.utils.warpgroup_barrier()
-    _emit_row_stores(stage_ptr, rows_ptr, cache_ptr, vocab=vocab)
+    _emit_row_stores(stage_ptr, rows_ptr, cache_ptr, vocab=vocab,
+                     pitch=pitch)
     # Every warp has read the tile before the next one is staged.
     mgpu.utils.warpgroup_barrier()
 
@@ -491,11 +555,12 @@ def _stage_rows(x, row_i, col_i, stage):
   x to the staging tile. The consumer's arrival on the tile's barrier
   (release) then hands it to the store warpgroup."""
   layout = plgpu.Layout.WGMMA
+  pitch = stage.shape[-1]
 
   @plgpu.inline_mgpu(arg_types=(layout, layout, layout, plgpu.RefType()))
   def stage_tile(ctx, x, row_i, col_i, stage):
     del ctx
-    _emit_stage(x, row_i, col_i, *_pointers(stage, None, None))
+    _emit_stage(x, row_i, col_i, *_pointers(stage, None, None), pitch=pitch)
 
   stage_tile(x, row_i, col_i, stage)
 
@@ -503,12 +568,14 @@ def _stage_rows(x, row_i, col_i, stage):
 def _store_staged_rows(stage, rows, cache, *, vocab: int):
   """The second half of :func:`_store_rows_by_warp` (store_wg: the store
   warpgroup's), after its wait on the tile's barrier (acquire)."""
+  pitch = stage.shape[-1]
 
   @plgpu.inline_mgpu(arg_types=(plgpu.RefType(), plgpu.RefType(),
                                 plgpu.RefType()))
   def store(ctx, stage, rows, cache):
     del ctx
-    _emit_row_stores(*_pointers(stage, rows, cache), vocab=vocab)
+    _emit_row_stores(*_pointers(stage, rows, cache), vocab=vocab,
+                     pitch=pitch)
 
   store(stage, rows, cache)
 
@@ -586,7 +653,7 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
     # one parity bit per barrier per thread): consumers on each proj chunk
     # and base tile, the producer on each release of a slot it refills.
 
-    @pl.when(wg == NUM_COMPUTE_WGS)
+    @pl.when(wg == p.consumers)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
       step = step_gmem[0]
@@ -639,7 +706,7 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
               collective_axes="b" if p.cluster > 1 else None)
 
     if p.store_wg:
-      @pl.when(wg == NUM_COMPUTE_WGS + 1)
+      @pl.when(wg == p.consumers + 1)
       def _storer():
         # Takes the consumers' staging tiles in the order they fill them
         # (tile t, epilogue tile e, consumer 0 then 1) and stores their rows
@@ -650,7 +717,7 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
         def _store(t):
           for e in range(n_epi):
             o = lax.rem(t * n_epi + e, out_slots)
-            for c in range(NUM_COMPUTE_WGS):
+            for c in range(p.consumers):
               v0 = tile_v0(t) + (c * block_v if p.split_v else 0)
               i = c * out_slots + o
               plgpu.barrier_wait(staged.at[i])
@@ -662,10 +729,11 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
               # consumer may stage into the tile again.
               plgpu.barrier_arrive(drained.at[i])
 
-    @pl.when(wg < NUM_COMPUTE_WGS)
+    @pl.when(wg < p.consumers)
     def _consumer():
-      # 512 threads with a store warpgroup: 40 + 40 + 2 * 216 registers.
-      plgpu.set_max_registers(216 if p.store_wg else 232, action="increase")
+      # Two consumers: 232 registers (216 beside a store warpgroup); three:
+      # 152 (144).
+      plgpu.set_max_registers(p.consumer_registers, action="increase")
       step = step_gmem[0]
       row_off = 0 if p.split_v else wg * WG_ROWS
       col_off = wg * block_v if p.split_v else 0
@@ -884,35 +952,35 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       plgpu.SMEM((stages, cta_v, TILE_K), bf16, transforms=_swizzled(bf16)),
       plgpu.SMEM((p.base_slots, block_b, cta_v), bf16, transforms=_swizzled(bf16)),
       # Row stores need single-row slices: no tiling in the state-row layout.
-      (plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, STAGE_PITCH), f32)
+      (plgpu.SMEM((p.consumers, out_slots, WG_ROWS, p.stage_pitch), f32)
        if p.store_wg else
-       plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS, STAGE_PITCH), f32) if warp_rows
-       else plgpu.SMEM((NUM_COMPUTE_WGS, out_slots, WG_ROWS, EPI_V), f32,
+       plgpu.SMEM((p.consumers, WG_ROWS, p.stage_pitch), f32) if warp_rows
+       else plgpu.SMEM((p.consumers, out_slots, WG_ROWS, EPI_V), f32,
                        transforms=(_swizzled(f32) if rows_gmem is None
                                    else ()))),
       # Each consumer's cache rows (warp row stores; else a placeholder).
-      plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS) if warp_rows else (1,),
+      plgpu.SMEM((p.consumers, WG_ROWS) if warp_rows else (1,),
                  jnp.int32),
-      plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
-      plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), f32),
-      plgpu.SMEM((NUM_COMPUTE_WGS, WG_ROWS), jnp.int32),
+      plgpu.SMEM((p.consumers, WG_ROWS), f32),
+      plgpu.SMEM((p.consumers, WG_ROWS), f32),
+      plgpu.SMEM((p.consumers, WG_ROWS), jnp.int32),
       plgpu.Barrier(num_barriers=num_k * p.halves),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=p.base_slots * p.halves),
       # Released by both consumers (of every CTA of a cluster: a multicast
       # refills the slot in all of them).
       (plgpu.ClusterBarrier(collective_axes=("b",),
-                            num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages)
+                            num_arrivals=p.consumers, num_barriers=stages)
        if p.cluster > 1 else
-       plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=stages)),
-      plgpu.Barrier(num_arrivals=NUM_COMPUTE_WGS, num_barriers=p.base_slots),
+       plgpu.Barrier(num_arrivals=p.consumers, num_barriers=stages)),
+      plgpu.Barrier(num_arrivals=p.consumers, num_barriers=p.base_slots),
       # Every warpgroup of the cluster, at the end.
       *([plgpu.ClusterBarrier(collective_axes=("b",),
-                              num_arrivals=NUM_COMPUTE_WGS + 1)]
+                              num_arrivals=p.consumers + 1)]
         if p.cluster > 1 else []),
       # staged (a consumer arrives), drained (the store warpgroup arrives).
-      *([plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS * out_slots),
-         plgpu.Barrier(num_barriers=NUM_COMPUTE_WGS * out_slots)]
+      *([plgpu.Barrier(num_barriers=p.consumers * out_slots),
+         plgpu.Barrier(num_barriers=p.consumers * out_slots)]
         if p.store_wg else []),
       collective_axes="wg",
   )
@@ -981,9 +1049,9 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       draw (< 0: padding, not stored); None: the dense layout.
     num_steps: S (static).
     num_cache_rows: the cache's rows (static); None: B * S.
-    block_b: requests per CTA (static): 128 (two consumer warpgroups of 64
-      requests each) or 64 (the two split each vocabulary tile's columns);
-      None: 128 where B % 128 == 0, else 64. Where it does not divide B
+    block_b: requests per CTA (static): 128 or 192 (two or three consumer
+      warpgroups of 64 requests each) or 64 (two consumers split each
+      vocabulary tile's columns); None: 128 where B % 128 == 0, else 64. Where it does not divide B
       (B >= 64 and a multiple of 4), the last tile is partial: each of its
       consumers takes the 64-row window that ends at row B (rows shared
       with another consumer are computed twice, their cache rows stored
@@ -996,7 +1064,7 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       stores a TMA box a [64, 64] tile): "warp" (default), through a padded
       shared-memory tile, one warp store a 256-byte row; "tma", one TMA
       store a row (slow: kept to check the other against).
-    chunk: blocks a chunk (static; block_b = 128 only), or None. Given, each
+    chunk: blocks a chunk (static; block_b = 128 or 192), or None. Given, each
       vocabulary worker takes ``chunk`` contiguous blocks (NC = ceil(NB /
       chunk) workers a request tile; :func:`default_chunk` keeps one CTA an
       SM) and also returns their chunk statistics, as
