@@ -199,14 +199,16 @@ def hints_candidates(batch: int, vocab: int = 129280, rank: int = 256):
 
 def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """Mosaic GPU block-pass tiles that run at this shape: 128- or 64-request
-  tiles (a partial last tile where they do not divide B: partial_tiles), 64- or 128-column statistics blocks, the proj chunks in
-  flight as many as fit (num_stages 0) or 4, and with 128-request tiles the
-  chunk statistics folded into the pass's epilogue or left to the chunk
-  pass (fold_chunks); what does not fit in shared memory
+  tiles, and from B = 129 192-request ones (three consumers: B = 129 to 192
+  in one tile), a partial last tile where they do not divide B
+  (partial_tiles), 64- or 128-column statistics blocks, the proj chunks in
+  flight as many as fit (num_stages 0) or 4, and with 128- or 192-request
+  tiles the chunk statistics folded into the pass's epilogue or left to the
+  chunk pass (fold_chunks); what does not fit in shared memory
   (mosaic_block_pass.plan) is left out. Each takes select_embed (the select
   pass writes the next step's embeddings), as the table's Mosaic entries."""
   from jax_markov.kernels import mosaic_block_pass as mbp
-  for bb in (128, 64):
+  for bb in ((192, 128, 64) if batch > 128 else (128, 64)):
     # A batch that does not fill the tiles: the last one partial
     # (partial_tiles; B a multiple of 4 past one consumer's 64 rows).
     partial = batch % bb != 0
@@ -222,11 +224,34 @@ def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                    row_stores="warp")
         except ValueError:
           continue
-        for fold in ((True, False) if bb == 128 else (True,)):
+        for fold in ((True, False) if bb != 64 else (True,)):
           # select_embed: as every Mosaic entry and the rule (change 53).
           yield KernelConfig(method="mosaic", block_b=bb, block_v=bv,
                              num_stages=stages, fold_chunks=fold,
                              partial_tiles=partial, select_embed=True)
+
+
+def consumers_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The Mosaic pass on one 192-request tile a 192 requests (three consumer
+  warpgroups; a partial last tile where 192 does not divide B): the chunk
+  statistics folded or left to the chunk pass, then folded with a store
+  warpgroup (where rows are stored by warp, always in the native runtime).
+  Timed after the hook's default (``--grid consumers``), whose Mosaic rule
+  runs B = 129 to 192 on two or three request tiles of 128 or 64."""
+  from jax_markov.kernels import mosaic_block_pass as mbp
+  if not (batch > 128 and batch % 4 == 0):
+    return
+  try:
+    mbp.plan((batch, vocab), (batch, rank), (vocab, rank), num_steps=1,
+             block_b=192, block_v=64, max_concurrent_steps=None, num_sms=132,
+             row_stores="warp", state_rows=True)
+  except ValueError:
+    return
+  tile = KernelConfig(method="mosaic", block_b=192, block_v=64,
+                      partial_tiles=batch % 192 != 0, select_embed=True)
+  yield tile
+  yield dataclasses.replace(tile, fold_chunks=False)
+  yield dataclasses.replace(tile, store_warpgroup=True)
 
 
 def embed_candidates(table: KernelConfig):
@@ -494,7 +519,7 @@ def main(argv=None):
                  choices=("tiles", "partial", "remainder", "persistent",
                           "mosaic", "embed", "stores", "l2", "hints", "rows",
                           "select", "early", "prefetch", "dependents",
-                          "table"),
+                          "consumers", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "partial: every request-tile size for a batch that does "
                  "not fill its bucket (partial_candidates); "
@@ -519,6 +544,8 @@ def main(argv=None):
                  "proj chunks into L2 before the wait (prefetch_candidates); "
                  "dependents: the select pass launching the next block pass "
                  "before its wait (dependents_candidates); "
+                 "consumers: the hook's default, then the Mosaic pass on "
+                 "192-request tiles (consumers_candidates); "
                  "table: the hook's default entry only (Mosaic GPU where "
                  "the table has one for a Hopper GPU)")
   p.add_argument("--dependent-launch", default="auto",
@@ -545,7 +572,7 @@ def main(argv=None):
     # table: what the hook runs by default (the Mosaic GPU entry where the
     # table has one for a Hopper GPU); the grids: their method's entry.
     method = dict(mosaic="mosaic", embed="mosaic", stores="mosaic",
-                  table=None).get(args.grid, "fused")
+                  table=None, consumers=None).get(args.grid, "fused")
     hopper = torch.cuda.get_device_capability()[0] == 9
     gpu = torch.cuda.get_device_name()
     default = tuning.choose(method, batch, shape.V, shape.R, interpret=False,
@@ -568,6 +595,7 @@ def main(argv=None):
                 prefetch=lambda b: prefetch_candidates(b, shape.V, shape.R),
                 dependents=lambda b: dependents_candidates(b, shape.V,
                                                            shape.R),
+                consumers=lambda b: consumers_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = [(d, keep) for d in dict(
         auto=(None,), on=(True,), off=(False,),

@@ -537,3 +537,86 @@ def test_partial_last_request_tile_at_deepseek_v4_shape():
   check_sample_draft(draft, *args)
   assert_sample_drafts_agree(draft, jm.sample_draft(*args, config=FUSED),
                              *args)
+
+
+@pytest.mark.parametrize("B,rows,store_warpgroup,fold", [
+    (192, False, False, False), (192, True, False, True),
+    (136, False, False, True), (136, True, True, True),
+    (160, True, False, False), (384, True, False, True),
+    (256, False, False, False)])
+def test_three_consumers_agree_with_two_bit_for_bit(B, rows, store_warpgroup,
+                                                    fold):
+  """block_b = 192 (three consumer warpgroups at 152 registers, the 68-word
+  staging pitch where rows are stored by warp) at the DeepSeek-V4 shape:
+  each 64-row window is the same WGMMA over the same proj chunks as in
+  128-request tiles, so the cache and the block statistics are those of
+  block_b = 128 bit for bit (full tiles, a partial one at 136 / 160 / 256,
+  two tiles at 384; dense and into state rows with padding, every other row
+  untouched), run after run; with chunk, the chunk statistics are the
+  chunk pass's of those block statistics."""
+  from jax_markov.kernels.chunk_pass import chunk_pass
+  S, V, R = DSV4["S"], DSV4["V"], DSV4["R"]
+  N = B + 7 if rows else B
+  rng = np.random.default_rng(193 + B)
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  base, emb, proj = bf16(B * S, V), bf16(B, R), bf16(V, R) * 0.1
+  params = jnp.stack([jnp.asarray(rng.choice([1.0, 1 / 0.7], B * S),
+                                  jnp.float32),
+                      jnp.zeros(B * S), jnp.full(B * S, 0.5)])
+  cache_rows = None
+  if rows:
+    r = (rng.permutation(N)[:B, None] * S + np.arange(S)).astype(np.int32)
+    r[2] = -1
+    r[B - 1, 4] = -1  # a padded draw in the last tile
+    cache_rows = jnp.asarray(r.reshape(-1))
+  cache0 = jnp.asarray(rng.standard_normal((N * S, V)), jnp.float32)
+  before = np.asarray(cache0)
+  p = mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=192,
+               block_v=64, max_concurrent_steps=None, num_sms=None,
+               row_stores="warp", state_rows=rows,
+               store_warpgroup=store_warpgroup)
+  assert p.consumers == 3 and p.consumer_registers <= 152
+  assert p.stages >= 2 and p.smem_bytes <= mbp.SMEM_LIMIT
+  chunk = mbp.default_chunk(B, V, block_b=192, block_v=64) if fold else None
+  for s in (0, 6):
+    step = jnp.array([s], jnp.int32)
+    kw = dict(num_steps=S, num_cache_rows=N * S, block_v=64)
+    two = [np.asarray(a) for a in mbp.mosaic_block_pass(
+        base, emb, proj, params, step, jnp.array(cache0), cache_rows,
+        block_b=128, **kw)]
+    for _ in range(2):
+      three = mbp.mosaic_block_pass(
+          base, emb, proj, params, step, jnp.array(cache0), cache_rows,
+          block_b=192, chunk=chunk, store_warpgroup=store_warpgroup, **kw)
+      assert len(three) == (7 if fold else 4)
+      for a, b in zip(two, three[:4]):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    if fold:
+      want = chunk_pass(*three[1:4], chunk=chunk)
+      np.testing.assert_array_equal(np.asarray(three[4]), np.asarray(want[0]))
+      np.testing.assert_array_equal(np.asarray(three[6]), np.asarray(want[2]))
+      np.testing.assert_allclose(np.asarray(three[5]), np.asarray(want[1]),
+                                 rtol=2e-6 * chunk)
+    written = (np.asarray(cache_rows).reshape(B, S)[:, s] if rows
+               else np.arange(B) * S + s)
+    written = written[written >= 0]
+    untouched = np.setdiff1d(np.arange(N * S), written)
+    cache = np.asarray(three[0])
+    np.testing.assert_array_equal(cache[untouched], before[untouched])
+    assert not np.array_equal(cache[written], before[written])
+
+
+@pytest.mark.parametrize("B", [192, 136])
+def test_three_consumer_draft(B):
+  """The sampler's draft on 192-request tiles (the fold, select_embed): the
+  contract at the DeepSeek-V4 shape, and the fused Triton pass's draft
+  within float32 rounding."""
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=190 + B, head_scale=0.1,
+                      temperature=np.where(np.arange(B) % 4 == 0, 0.0, 1.0))
+  config = jm.KernelConfig(method="mosaic", block_b=192, block_v=64,
+                           select_embed=True, partial_tiles=B % 192 != 0)
+  draft = jm.sample_draft(*args, config=config)
+  check_sample_draft(draft, *args)
+  assert_sample_drafts_agree(draft, jm.sample_draft(*args, config=FUSED),
+                             *args)

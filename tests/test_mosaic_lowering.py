@@ -243,8 +243,8 @@ def test_store_warpgroup_lowers(B, block_b, block_v, rows):
   assert on.out_slots in (1, 2) and on.stages <= off.stages
   # Two staging tiles a consumer where two proj chunks still fit beside
   # them (at block_v = 128 and 64-request tiles they do not).
-  if mbp.smem_bytes(on.block_b, on.cta_v, R, block_v, 2, 2, "warp") \
-      <= mbp.SMEM_LIMIT:
+  if mbp.smem_bytes(on.block_b, on.cta_v, R, block_v, 2, 2, "warp",
+                    halves=on.halves, store_wg=True) <= mbp.SMEM_LIMIT:
     assert on.out_slots == 2
   specs = _specs(B, V, R, S)
   if rows:

@@ -30,7 +30,8 @@ class KernelConfig:
       reduced vocabulary, no greedy drafting, no interpreter), block_b 64,
       128 or 192 (three consumer warpgroups), block_v 64 or 128, num_stages its proj chunks in flight (< 2:
       as many as fit in shared memory); the select pass stays Triton.
-    block_b: requests per block-pass program (1 for "xla_bias").
+    block_b: requests per block-pass program (1 for "xla_bias"), a power
+      of two; method="mosaic" also 192.
     block_v: vocabulary columns per block-pass program (power of two).
     block_k: rank columns per dot, fused only (power of two >= 16).
     k_loop: fused only: "fori" loops over the rank chunks in a loop Triton
@@ -187,6 +188,10 @@ class KernelConfig:
         raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
     for name in ("block_b", "block_v", "block_k", "num_warps"):
       value = getattr(self, name)
+      # The Mosaic pass's three-consumer tile is the one block_b that is not
+      # a power of two (its WGMMA tiles are 64 rows each).
+      if name == "block_b" and self.method == "mosaic" and value == 192:
+        continue
       if value < 1 or value & (value - 1):
         raise ValueError(f"{name} must be a power of two, got {value}")
     fused = self.fused
