@@ -58,6 +58,11 @@ def _mosaic_gpu_available():
                  id="dsv4-B256-v64"),
     pytest.param(64, DSV4["V"], DSV4["R"], DSV4["S"], dict(block_v=64),
                  id="dsv4-B64-v64"),
+    pytest.param(192, DSV4["V"], DSV4["R"], DSV4["S"],
+                 dict(block_b=192, block_v=64), id="dsv4-B192-three"),
+    pytest.param(136, DSV4["V"], DSV4["R"], DSV4["S"],
+                 dict(block_b=192, block_v=64, chunk=16),
+                 id="dsv4-B136-three-partial-folded"),
     pytest.param(128, 1024, 128, 3, {}, id="small"),
     pytest.param(64, 512, 64, 2, dict(block_v=64), id="tiny-v64"),
 ])
@@ -267,7 +272,7 @@ def test_store_warpgroup_plans_fit_everywhere_they_apply():
   without it otherwise unchanged."""
   V = DSV4["V"]
   for B, bb, bv, R, rows in itertools.product(
-      range(64, 520, 4), (64, 128), (64, 128), (128, 256, 512),
+      range(64, 520, 4), (64, 128, 192), (64, 128), (128, 256, 512),
       (False, True)):
     kw = dict(num_steps=7, block_b=bb, block_v=bv, max_concurrent_steps=None,
               num_sms=132, row_stores="warp", state_rows=rows)
@@ -282,7 +287,7 @@ def test_store_warpgroup_plans_fit_everywhere_they_apply():
     assert on.store_wg == on.warp_rows == off.warp_rows
     assert on.smem_bytes <= mbp.SMEM_LIMIT and on.stages >= 2
     if on.store_wg:
-      assert on.num_wgs == 4 and on.stages <= off.stages
+      assert on.num_wgs == on.consumers + 2 and on.stages <= off.stages
       assert on.out_slots >= off.out_slots
     else:
       assert on == off
@@ -833,3 +838,82 @@ def test_sample_draft_into_takes_the_tables_mosaic_choice(monkeypatch):
   jm.sample_draft_into(*args[:1], args[1].astype(jnp.float32), *args[2:],
                        interpret=False, check_values=False)
   assert seen[-1].method == "fused"
+
+
+@pytest.mark.parametrize("B,block_b,rows,kw", [
+    (256, 128, False, {}), (256, 128, True, {}), (64, 64, True, {}),
+    (136, 64, True, dict(store_warpgroup=True)),
+    (256, 128, True, dict(_multicast=True)),
+    (192, 192, False, {}), (192, 192, True, {}),
+    (136, 192, True, dict(store_warpgroup=True)),
+    (384, 192, False, dict(chunk=31))])
+def test_plan_counts_shared_memory_as_mosaic_lays_it_out(monkeypatch, B,
+                                                         block_b, rows, kw):
+  """Plan.smem_bytes plus Mosaic GPU's own 2048 bytes is the figure the
+  lowering checks against the device's 227 KB (1024-byte aligned buffers
+  and the barriers), so a plan never picks proj chunks that do not fit."""
+  from jax.experimental.mosaic.gpu import core
+  jax.clear_caches()  # an earlier test's lowering would skip the count
+  seen = []
+  size = core._smem_tree_size  # noqa: SLF001
+  monkeypatch.setattr(core, "_smem_tree_size",
+                      lambda t: seen.append(size(t)) or seen[-1])
+  V, R, S = DSV4["V"], DSV4["R"], DSV4["S"]
+  p = mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=block_b,
+               block_v=64, max_concurrent_steps=None, num_sms=132,
+               row_stores="warp", state_rows=rows,
+               store_warpgroup=kw.get("store_warpgroup", False),
+               multicast=kw.get("_multicast", False), chunk=kw.get("chunk"))
+  specs = _specs(B, V, R, S)
+  extra = {}
+  if rows:
+    specs = specs[:5] + [spec((B * S + 9, V), jnp.float32),
+                         spec((B * S,), jnp.int32)]
+    extra = dict(num_cache_rows=B * S + 9)
+  mbp.mosaic_block_pass.trace(
+      *specs, num_steps=S, num_sms=132, block_b=block_b, block_v=64,
+      **extra, **kw).lower(lowering_platforms=("cuda",))
+  assert seen == [p.smem_bytes + 2048]
+  assert p.smem_bytes <= mbp.SMEM_LIMIT == 227 * 1024 - 2048
+
+
+def test_three_consumer_plans():
+  """block_b = 192: three consumers splitting the rows (one request tile
+  from B = 129 to 192), the producer at 40 registers and each consumer at
+  152 (144 beside a store warpgroup) within the 64K register file, 64
+  statistics columns only (128 do not fit beside 96 KB of embeddings), the
+  narrow staging pitch only where rows are stored by warp and it buys a
+  proj chunk; the chunk statistics fold as with 128."""
+  V, R, S = DSV4["V"], DSV4["R"], DSV4["S"]
+  kw = dict(num_steps=S, block_b=192, max_concurrent_steps=None, num_sms=132,
+            row_stores="warp")
+  for B in range(132, 400, 4):
+    for rows, swg in itertools.product((False, True), (False, True)):
+      p = mbp.plan((B * S, V), (B, R), (V, R), block_v=64, state_rows=rows,
+                   store_warpgroup=swg, **kw)
+      assert p.consumers == 3 and not p.split_v and p.cta_v == 64
+      assert p.num_b_tiles == -(-B // 192) and p.halves == (
+          3 if B % 192 else 1)
+      assert p.num_wgs == 4 + int(p.store_wg)
+      assert p.consumer_registers == (144 if p.store_wg else 152)
+      assert (40 * 128 * (p.num_wgs - 3) + 3 * 128 * p.consumer_registers
+              <= 65536)
+      assert p.stages >= 2 and p.smem_bytes <= mbp.SMEM_LIMIT
+      assert p.stage_pitch == (mbp.NARROW_PITCH if p.warp_rows
+                               else mbp.STAGE_PITCH)
+    with pytest.raises(ValueError, match="shared memory"):
+      mbp.plan((B * S, V), (B, R), (V, R), block_v=128, **kw)
+  # Two-consumer plans keep their pitch and their registers.
+  p = mbp.plan((136 * S, V), (136, R), (V, R), num_steps=S, block_b=128,
+               block_v=64, max_concurrent_steps=None, num_sms=132,
+               row_stores="warp", state_rows=True)
+  assert (p.stage_pitch, p.consumer_registers, p.num_wgs) == (
+      mbp.STAGE_PITCH, 232, 3)
+  assert mbp.default_chunk(192, V, block_b=192, block_v=64) == 16
+  cfg = jm.KernelConfig(method="mosaic", block_b=192, block_v=64)
+  assert mbp.epilogue_chunk(cfg, 192, V, 132) == 16
+  with pytest.raises(ValueError, match="power of two"):
+    jm.KernelConfig(method="fused", block_b=192)
+  with pytest.raises(ValueError, match="block_b must be one of"):
+    mbp.plan((96 * S, V), (96, R), (V, R), num_steps=S, block_b=96,
+             block_v=64, max_concurrent_steps=None, num_sms=132)
