@@ -461,8 +461,9 @@ def test_tune_graph_candidates_and_cpu_refusal():
   # Mosaic GPU tiles: only those that divide B and fit in shared memory.
   # A batch past one consumer's 64 rows that the tiles do not divide: the
   # last tile partial (partial_tiles).
-  for batch, sizes in ((64, {64}), (128, {64, 128}), (256, {64, 128}),
-                       (72, {64, 128}), (200, {64, 128})):
+  # From B = 129 the three-consumer tile (192) too.
+  for batch, sizes in ((64, {64}), (128, {64, 128}), (256, {64, 128, 192}),
+                       (72, {64, 128}), (200, {64, 128, 192})):
     cfgs = list(tune_graph.mosaic_candidates(batch))
     assert len(cfgs) == len(set(cfgs)) >= 2
     assert {c.block_b for c in cfgs} == sizes
@@ -486,6 +487,17 @@ def test_tune_graph_candidates_and_cpu_refusal():
   assert not list(tune_graph.stores_candidates(
       tuning.choose("fused", 64, 129280, 256, interpret=False)))
   assert not list(tune_graph.mosaic_candidates(32))
+  # --grid consumers: 192-request tiles (folded, chunk pass, store
+  # warpgroup) from B = 129, a partial last tile where 192 does not divide.
+  for batch in (136, 192, 200):
+    cfgs = list(tune_graph.consumers_candidates(batch))
+    assert [(c.block_b, c.block_v, c.fold_chunks, c.store_warpgroup)
+            for c in cfgs] == [(192, 64, True, False), (192, 64, False, False),
+                               (192, 64, True, True)]
+    assert all(c.partial_tiles == (batch != 192) and c.select_embed
+               for c in cfgs)
+  assert not list(tune_graph.consumers_candidates(128))
+  assert not list(tune_graph.consumers_candidates(138))  # not a multiple of 4
   for batch in (4, 64):  # the table's tile, other select warps only
     cfgs = list(tune_graph.select_candidates(batch))
     table = tuning.choose("fused", batch, 129280, 256, interpret=False)
