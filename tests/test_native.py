@@ -1014,3 +1014,26 @@ def test_kernels_lower_for_a_capability_with_jax_on_cpu(tmp_path):
                        capture_output=True, text=True, timeout=300)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "lowered ['block_pass', 'draw_params', 'select_pass']" in out.stdout
+
+
+def test_three_consumer_bucket_is_planned(tmp_path):
+  """A 192-request Mosaic tile (block_b=192, kernels/mosaic_block_pass.py)
+  plans as the 128-request one does: the fold in its epilogue (2020 blocks
+  of 64 in 127 chunks of 16, one CTA a worker) or the chunk pass, at B =
+  192 and with a partial last tile at 136."""
+  import dataclasses
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  cache = native.IRCache(str(tmp_path))
+  for batch in (192, 136):
+    shape = dataclasses.replace(_shape(batch, 7, 129280, 256), mosaic=True)
+    for fold in (True, False):
+      cfg = jm.KernelConfig(method="mosaic", block_b=192, block_v=64,
+                            select_embed=True, fold_chunks=fold,
+                            partial_tiles=batch != 192)
+      kernels = native_plan._lower_mosaic(  # pylint: disable=protected-access
+          shape, batch, cache, (9, 0), cfg, {"shape": f"{batch}-{fold}"}, 132)
+      assert set(kernels) == {"embed_rows", "mosaic_block_pass",
+                              "select_pass"} | ({"chunk_pass"} if not fold
+                                                else set())
+      assert native_plan.mosaic_chunks(129280, cfg, batch, 132) == (
+          127 if fold else 64)
