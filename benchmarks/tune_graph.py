@@ -233,9 +233,9 @@ def mosaic_candidates(batch: int, vocab: int = 129280, rank: int = 256):
 
 def consumers_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   """The Mosaic pass on one 192-request tile a 192 requests (three consumer
-  warpgroups; a partial last tile where 192 does not divide B): the chunk
-  statistics folded or left to the chunk pass, then folded with a store
-  warpgroup (where rows are stored by warp, always in the native runtime).
+  warpgroups; a partial last tile where 192 does not divide B), as many
+  proj chunks in flight as fit: the chunk statistics folded or left to the
+  chunk pass (no store warpgroup: with three consumers it hung).
   Timed after the hook's default (``--grid consumers``), whose Mosaic rule
   runs B = 129 to 192 on two or three request tiles of 128 or 64."""
   from jax_markov.kernels import mosaic_block_pass as mbp
@@ -248,10 +248,10 @@ def consumers_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   except ValueError:
     return
   tile = KernelConfig(method="mosaic", block_b=192, block_v=64,
-                      partial_tiles=batch % 192 != 0, select_embed=True)
+                      num_stages=0, partial_tiles=batch % 192 != 0,
+                      select_embed=True)
   yield tile
   yield dataclasses.replace(tile, fold_chunks=False)
-  yield dataclasses.replace(tile, store_warpgroup=True)
 
 
 def embed_candidates(table: KernelConfig):

@@ -539,13 +539,11 @@ def test_partial_last_request_tile_at_deepseek_v4_shape():
                              *args)
 
 
-@pytest.mark.parametrize("B,rows,store_warpgroup,fold", [
-    (192, False, False, False), (192, True, False, True),
-    (136, False, False, True), (136, True, True, True),
-    (160, True, False, False), (384, True, False, True),
-    (256, False, False, False)])
-def test_three_consumers_agree_with_two_bit_for_bit(B, rows, store_warpgroup,
-                                                    fold):
+@pytest.mark.parametrize("B,rows,fold", [
+    (192, False, False), (192, True, True), (136, False, True),
+    (136, True, True), (160, True, False), (384, True, True),
+    (256, False, False)])
+def test_three_consumers_agree_with_two_bit_for_bit(B, rows, fold):
   """block_b = 192 (three consumer warpgroups at 152 registers, the 68-word
   staging pitch where rows are stored by warp) at the DeepSeek-V4 shape:
   each 64-row window is the same WGMMA over the same proj chunks as in
@@ -573,8 +571,7 @@ def test_three_consumers_agree_with_two_bit_for_bit(B, rows, store_warpgroup,
   before = np.asarray(cache0)
   p = mbp.plan((B * S, V), (B, R), (V, R), num_steps=S, block_b=192,
                block_v=64, max_concurrent_steps=None, num_sms=None,
-               row_stores="warp", state_rows=rows,
-               store_warpgroup=store_warpgroup)
+               row_stores="warp", state_rows=rows)
   assert p.consumers == 3 and p.consumer_registers <= 152
   assert p.stages >= 2 and p.smem_bytes <= mbp.SMEM_LIMIT
   chunk = mbp.default_chunk(B, V, block_b=192, block_v=64) if fold else None
@@ -587,7 +584,7 @@ def test_three_consumers_agree_with_two_bit_for_bit(B, rows, store_warpgroup,
     for _ in range(2):
       three = mbp.mosaic_block_pass(
           base, emb, proj, params, step, jnp.array(cache0), cache_rows,
-          block_b=192, chunk=chunk, store_warpgroup=store_warpgroup, **kw)
+          block_b=192, chunk=chunk, **kw)
       assert len(three) == (7 if fold else 4)
       for a, b in zip(two, three[:4]):
         np.testing.assert_array_equal(a, np.asarray(b))

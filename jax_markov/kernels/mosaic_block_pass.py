@@ -46,7 +46,10 @@ Kernel layout (all static, chosen by :func:`plan`):
   cache rows, so that they do not stop issuing WGMMA for their own stores.
   Three consumers (B = 129 to 192 in one request tile, so that proj streams
   through each SM once a step rather than once per 128-request tile) share
-  the register file four ways: 152 registers a consumer thread.
+  the register file four ways: 152 registers a consumer thread, no store
+  warpgroup (five warpgroups hung). Correct (bit for bit the 128-request
+  tiles' outputs) but slower than the rule's 64-request tiles at B = 192
+  on an H100 (docs/perf-notes.md change 61): in no table entry.
 * shared memory: the [block_b, R] embedding tile (loaded once), a ring of
   ``max_concurrent_steps`` proj chunks [cta_v, 64] (R is walked in chunks of
   64 columns: one 128-byte swizzle row of bf16), a ring of 2 base tiles
@@ -375,6 +378,11 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
   if store_wg and multicast:
     raise ValueError("store_warpgroup and multicast do not combine (the "
                      "cluster's exit barrier counts three warpgroups)")
+  if store_wg and consumers(block_b) == 3:
+    # Five warpgroups (640 threads) hung on an H100 (session 34; no output
+    # within 50 s where four warpgroups took 1 s): unexplained, refused.
+    raise ValueError("store_warpgroup does not run with block_b = 192 (five "
+                     "warpgroups hung on a GPU; docs/perf-notes.md change 61)")
   if store_wg:
     # Double-buffered staging first: a consumer stages tile e + 1 while the
     # store warpgroup drains tile e.
@@ -1072,8 +1080,8 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       the block statistics (sums in another order): the select pass's
       ``chunk_stats`` without a chunk pass.
     store_warpgroup: where cache rows are stored by warp (state rows with
-      row_stores="warp", or a partial last tile; static), a fourth
-      warpgroup stores them: each consumer stages a [64, 64] tile into one
+      row_stores="warp", or a partial last tile; static; not with block_b =
+      192), a fourth warpgroup stores them: each consumer stages a [64, 64] tile into one
       of two shared-memory slots and goes on to its next WGMMA while the
       store warpgroup writes the rows out (the consumers otherwise stop
       issuing WGMMA for their own stores). The same bits either way.
@@ -1105,7 +1113,9 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
     ValueError: shapes or dtypes other than the above, B % block_b != 0
       with B < 64 or B % 4 != 0 (or with multicast or row_stores="tma"),
       V % block_v != 0 (V % (2 * block_v) with block_b = 64), R % 64 != 0,
-      or tiles that do not fit in shared memory.
+      or tiles that do not fit in shared memory (block_v = 128 with
+      block_b = 192), store_warpgroup with block_b = 192 where rows are
+      stored by warp.
     ImportError: Pallas Mosaic GPU is not available.
   """
   p = plan(base.shape, emb.shape, proj.shape, num_steps=num_steps,
