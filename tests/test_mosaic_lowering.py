@@ -921,3 +921,35 @@ def test_three_consumer_plans():
   with pytest.raises(ValueError, match="block_b must be one of"):
     mbp.plan((96 * S, V), (96, R), (V, R), num_steps=S, block_b=96,
              block_v=64, max_concurrent_steps=None, num_sms=132)
+
+
+def test_consumer_registers_fit_the_launch_allocation():
+  """setmaxnreg moves registers within the CTA's launch allocation (the
+  64K file over its threads, 8 at a time) and an increase waits until
+  they are free: every plan's warpgroups fit that allocation (producer and
+  store warpgroup at 40), at the counts the GPU ran: 232 with two
+  consumers, 216 beside a store warpgroup, 152 with three. Five
+  warpgroups (three consumers and a store warpgroup: 96 a thread at
+  launch) would leave 128, not the 144 that hung."""
+  import dataclasses
+  V = DSV4["V"]
+  seen = set()
+  for B, bb, bv, rows, swg in itertools.product(
+      (64, 72, 136, 192, 256), (64, 128, 192), (64, 128), (False, True),
+      (False, True)):
+    try:
+      p = mbp.plan((B * 7, V), (B, 256), (V, 256), num_steps=7, block_b=bb,
+                   block_v=bv, max_concurrent_steps=None, num_sms=132,
+                   row_stores="warp", state_rows=rows, store_warpgroup=swg)
+    except ValueError:
+      continue
+    others = p.num_wgs - p.consumers
+    assert (40 * 128 * others + p.consumer_registers * 128 * p.consumers
+            <= p.launch_registers * 128 * p.num_wgs <= 65536)
+    seen.add((p.consumers, p.num_wgs, p.consumer_registers))
+  assert seen == {(2, 3, 232), (2, 4, 216), (3, 4, 152)}
+  p = mbp.plan((136 * 7, V), (136, 256), (V, 256), num_steps=7, block_b=192,
+               block_v=64, max_concurrent_steps=None, num_sms=132,
+               row_stores="warp", state_rows=True)
+  five = dataclasses.replace(p, store_wg=True)
+  assert (five.launch_registers, five.consumer_registers) == (96, 128)

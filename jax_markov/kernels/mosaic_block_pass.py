@@ -212,11 +212,22 @@ class Plan:
     return self.consumers + 1 + int(self.store_wg)
 
   @property
+  def launch_registers(self) -> int:
+    """Registers a thread gets at launch: the 64K-register file over the
+    CTA's threads, in the allocation's steps of 8 (one CTA a multiprocessor).
+    setmaxnreg moves registers between the CTA's warpgroups within that
+    allocation only."""
+    return min(255, 65536 // (128 * self.num_wgs)) // 8 * 8
+
+  @property
   def consumer_registers(self) -> int:
     """Registers a consumer thread may hold (setmaxnreg, a multiple of 8):
-    what the 64K-register file leaves beside 40 a thread of the producer
-    (and of the store warpgroup), at most 232."""
-    free = 65536 - 40 * 128 * (self.num_wgs - self.consumers)
+    what the CTA's launch allocation leaves beside 40 a thread of the
+    producer (and of the store warpgroup), at most 232. setmaxnreg.inc
+    blocks until the registers are free: asking for more than the
+    allocation holds never returns."""
+    pool = self.launch_registers * 128 * self.num_wgs
+    free = pool - 40 * 128 * (self.num_wgs - self.consumers)
     return min(232, free // (128 * self.consumers) // 8 * 8)
 
 
@@ -380,7 +391,11 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
                      "cluster's exit barrier counts three warpgroups)")
   if store_wg and consumers(block_b) == 3:
     # Five warpgroups (640 threads) hung on an H100 (session 34; no output
-    # within 50 s where four warpgroups took 1 s): unexplained, refused.
+    # within 50 s where four warpgroups took 1 s). The likely cause: the
+    # consumers then asked for 144 registers counted against the whole
+    # 64K file, more than the CTA's launch allocation (96 a thread) leaves
+    # them, and setmaxnreg.inc waits for them forever. consumer_registers
+    # now counts the allocation (128 here), untested on a GPU: refused.
     raise ValueError("store_warpgroup does not run with block_b = 192 (five "
                      "warpgroups hung on a GPU; docs/perf-notes.md change 61)")
   if store_wg:
