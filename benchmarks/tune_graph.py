@@ -254,6 +254,28 @@ def consumers_candidates(batch: int, vocab: int = 129280, rank: int = 256):
   yield dataclasses.replace(tile, fold_chunks=False)
 
 
+def between_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The Mosaic pass on 128-request tiles for a batch they do not fill (B =
+  65 to 127 in one partial tile: proj streams once a step, as on the
+  Triton pass's tile with its remainder rows), as many proj chunks in
+  flight as fit and 4, the chunk statistics folded: the tiles that led at
+  B = 72 on an H100 (docs/perf-notes.md change 57). Timed after the hook's
+  default (``--grid between``), the Triton pass at B = 65 to 127."""
+  from jax_markov.kernels import mosaic_block_pass as mbp
+  if batch % 128 == 0 or not (batch > 64 and batch % 4 == 0):
+    return
+  for stages in (0, 4):
+    try:
+      mbp.plan((batch, vocab), (batch, rank), (vocab, rank), num_steps=1,
+               block_b=128, block_v=64, max_concurrent_steps=stages or None,
+               num_sms=132, row_stores="warp", state_rows=True)
+    except ValueError:
+      continue
+    yield KernelConfig(method="mosaic", block_b=128, block_v=64,
+                       num_stages=stages, partial_tiles=True,
+                       select_embed=True)
+
+
 def embed_candidates(table: KernelConfig):
   """The Mosaic GPU entry ``table`` (timed first, as every grid's default)
   with the select pass writing the next step's embeddings instead
@@ -519,7 +541,7 @@ def main(argv=None):
                  choices=("tiles", "partial", "remainder", "persistent",
                           "mosaic", "embed", "stores", "l2", "hints", "rows",
                           "select", "early", "prefetch", "dependents",
-                          "consumers", "table"),
+                          "consumers", "between", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "partial: every request-tile size for a batch that does "
                  "not fill its bucket (partial_candidates); "
@@ -546,6 +568,8 @@ def main(argv=None):
                  "before its wait (dependents_candidates); "
                  "consumers: the hook's default, then the Mosaic pass on "
                  "192-request tiles (consumers_candidates); "
+                 "between: the hook's default, then the Mosaic pass on "
+                 "partial 128-request tiles (between_candidates); "
                  "table: the hook's default entry only (Mosaic GPU where "
                  "the table has one for a Hopper GPU)")
   p.add_argument("--dependent-launch", default="auto",
@@ -572,7 +596,7 @@ def main(argv=None):
     # table: what the hook runs by default (the Mosaic GPU entry where the
     # table has one for a Hopper GPU); the grids: their method's entry.
     method = dict(mosaic="mosaic", embed="mosaic", stores="mosaic",
-                  table=None, consumers=None).get(args.grid, "fused")
+                  table=None, consumers=None, between=None).get(args.grid, "fused")
     hopper = torch.cuda.get_device_capability()[0] == 9
     gpu = torch.cuda.get_device_name()
     default = tuning.choose(method, batch, shape.V, shape.R, interpret=False,
@@ -596,6 +620,7 @@ def main(argv=None):
                 dependents=lambda b: dependents_candidates(b, shape.V,
                                                            shape.R),
                 consumers=lambda b: consumers_candidates(b, shape.V, shape.R),
+                between=lambda b: between_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = [(d, keep) for d in dict(
         auto=(None,), on=(True,), off=(False,),

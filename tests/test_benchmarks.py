@@ -497,6 +497,15 @@ def test_tune_graph_candidates_and_cpu_refusal():
                for c in cfgs)
   assert not list(tune_graph.consumers_candidates(128))
   assert not list(tune_graph.consumers_candidates(138))  # not a multiple of 4
+  # --grid between: one partial 128-request tile for B = 65 to 127 (and
+  # any batch 128 does not divide), as many chunks as fit and 4, folded.
+  for batch in (72, 96, 124, 200):
+    cfgs = list(tune_graph.between_candidates(batch))
+    assert [(c.block_b, c.block_v, c.num_stages, c.fold_chunks)
+            for c in cfgs] == [(128, 64, 0, True), (128, 64, 4, True)]
+    assert all(c.partial_tiles and c.select_embed for c in cfgs)
+  for batch in (64, 128, 256, 74):  # filled tiles, too few rows, not 4k
+    assert not list(tune_graph.between_candidates(batch))
   for batch in (4, 64):  # the table's tile, other select warps only
     cfgs = list(tune_graph.select_candidates(batch))
     table = tuning.choose("fused", batch, 129280, 256, interpret=False)
