@@ -9,7 +9,9 @@ mosaic_check.py.)
 """
 
 import dataclasses
+import functools
 import itertools
+import re
 
 import chex
 import numpy as np
@@ -953,3 +955,71 @@ def test_consumer_registers_fit_the_launch_allocation():
                row_stores="warp", state_rows=True)
   five = dataclasses.replace(p, store_wg=True)
   assert (five.launch_registers, five.consumer_registers) == (96, 128)
+
+
+@pytest.mark.parametrize("B,kw", [
+    (256, dict(block_b=128, block_v=64, chunk=31)),
+    (192, dict(block_b=64, block_v=64)),
+    (136, dict(block_b=64, block_v=64, store_warpgroup=True)),
+])
+def test_dependent_launch_waits_after_the_first_tiles_loads_only(B, kw):
+  """Built for a dependent launch, the producer issues the first tile's
+  base and its first proj chunks (what no kernel of the draft writes),
+  then griddepcontrol.wait, then the embeddings; every other warpgroup
+  waits before anything else; each signals its dependents after its wait.
+  Without it, no griddepcontrol at all. (The jaxpr of the kernel body
+  lists each warpgroup's operations in program order.)"""
+  S, V, R = DSV4["S"], DSV4["V"], DSV4["R"]
+  specs = _specs(B, V, R, S)
+  rows = specs[:5] + [spec((B * S, V), jnp.float32),
+                      spec((B * S,), jnp.int32)]
+  texts = {}
+  for dependent in (False, True):
+    texts[dependent] = str(jax.make_jaxpr(functools.partial(
+        mbp.mosaic_block_pass, num_steps=S, num_sms=132,
+        dependent_launch=dependent, **kw))(*rows))
+  assert "griddepcontrol" not in texts[False]
+  text = texts[True]
+  p = mbp.plan((B * S, V), (B, R), (V, R), num_steps=S,
+               block_b=kw["block_b"], block_v=kw["block_v"],
+               max_concurrent_steps=None, num_sms=132, row_stores="warp",
+               state_rows=True, chunk=kw.get("chunk"),
+               store_warpgroup=kw.get("store_warpgroup", False))
+  # The kernel body's jaxprs by name ("let jaxpr3 = { ... }").
+  heads = list(re.finditer(r"let (jaxpr\d*) = ", text))
+  blocks = {h.group(1): text[h.end():(heads[k + 1].start()
+                                      if k + 1 < len(heads) else None)]
+            for k, h in enumerate(heads)}
+  # The producer: a branch (num_t > 0) holding the early loads, the wait,
+  # the signal, then the num_k embedding loads.
+  [producer] = [b for b in blocks.values()
+                if "set_max_registers_p[action=decrease] 40" in b
+                and "griddepcontrol_wait" in b and "copy_gmem_to_smem" in b]
+  wait = producer.index("griddepcontrol_wait")
+  assert producer.index("griddepcontrol_launch_dependents") > wait
+  assert producer[:wait].count("copy_gmem_to_smem") == 0  # in the branch
+  assert producer[wait:].count("copy_gmem_to_smem") == p.num_k * p.halves
+  # The branch: one base box a consumer window, min(stages, num_k) chunks,
+  # nothing else.
+  branches = [name for name in re.findall(r"(jaxpr\d+)\n", producer[:wait])
+              if blocks[name].count("copy_gmem_to_smem")
+              == p.halves + min(p.stages, p.num_k)]
+  assert len(branches) == 1, branches
+  assert not re.search(r"barrier_wait|wgmma|griddep|<- ",
+                       blocks[branches[0]])
+  # Every warpgroup but the producer (which reads the step index, written
+  # once before any draft, and branches) waits first thing after setting
+  # its registers, then signals: consumers and a store warpgroup.
+  firsts = []
+  for mark in re.finditer(r"set_max_registers_p\[action=\w+\]", text):
+    ops = re.findall(r"griddepcontrol_\w+|barrier_\w+|copy_gmem_to_smem|"
+                     r"<- |wgmma|cond\[", text[mark.end():])
+    firsts.append(tuple(ops[:2]))
+  waits = ("griddepcontrol_wait", "griddepcontrol_launch_dependents")
+  assert sorted(firsts) == sorted([("<- ", "cond[")]
+                                  + [waits] * (1 + p.store_wg)), firsts
+  assert text.count("griddepcontrol_wait") == 2 + p.store_wg
+  with pytest.raises(ValueError, match="dependent_launch and multicast"):
+    mbp.plan((256 * S, V), (256, R), (V, R), num_steps=S, block_b=128,
+             block_v=64, max_concurrent_steps=None, num_sms=132,
+             multicast=True, dependent_launch=True)

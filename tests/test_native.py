@@ -199,7 +199,10 @@ def test_mosaic_bucket_is_planned(tmp_path):
       "cache_rows", "tokens", "chunk_max", "chunk_sum", "chunk_argmax",
       "tokens"]
   assert gathered["embed_rows"][2] == kernels["embed_rows"][2]
-  assert not native_plan.bucket_dependent_launch(shape, 256, True)
+  # Dependent launches reach the Mosaic bucket too (its select pass, and a
+  # captured block pass by a programmatic edge: the next test).
+  assert native_plan.bucket_dependent_launch(shape, 256, True)
+  assert not native_plan.bucket_dependent_launch(shape, 256, False)
   # A vocabulary with no entry takes the Mosaic rule at 256, not at 128.
   v152k = dataclasses.replace(_shape(256, 7, 151936, 256), mosaic=True,
                               gpu="NVIDIA H100 80GB HBM3")
@@ -244,6 +247,29 @@ def test_hook_mosaic_argument():
                                  mosaic=value).mosaic is value
   with pytest.raises(ValueError, match="mosaic must be"):
     tb.FusedMarkovSampler(4, 64, 8, "bfloat16", runtime="jax", mosaic=1)
+
+
+def test_dependent_launch_reaches_the_mosaic_bucket(tmp_path):
+  """With dependent_launch a Mosaic GPU bucket builds its select pass and
+  draw_params to wait (launched with the attribute) and its Mosaic block
+  pass to wait too (a module of its own, cached apart); embed_rows and
+  the chunk pass stay plain. (Which launches get a programmatic edge, and
+  that the captured draft is the plain one bit for bit: the GPU tests.)"""
+  import dataclasses
+  pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
+  cache = native.IRCache(str(tmp_path))
+  shape = dataclasses.replace(_shape(256, 7, 129280, 256), mosaic=True)
+  early = native_plan.lower_bucket(shape, 256, cache, (9, 0), 132,
+                                   dependent_launch=True)
+  plain = native_plan.lower_bucket(shape, 256, cache, (9, 0), 132)
+  assert set(early) == set(plain)
+  for name in ("draw_params", "select_pass"):
+    assert early[name][0].ttir.count("griddepcontrol.wait") == 1, name
+    assert "griddepcontrol" not in plain[name][0].ttir, name
+  assert "griddepcontrol" not in early["embed_rows"][0].ttir
+  assert early["embed_rows"][0].ttir == plain["embed_rows"][0].ttir
+  assert b"griddepcontrol" in early["mosaic_block_pass"][0].module
+  assert b"griddepcontrol" not in plain["mosaic_block_pass"][0].module
 
 
 @pytest.mark.parametrize("greedy,draft_vocab", [(False, None), (True, None),
@@ -733,6 +759,47 @@ def test_gpu_dependent_launch_is_the_plain_launch_bit_for_bit(m, s, v, r,
   plain.warmup(spec)
   for n in calls:
     _assert_dependent_is_plain(spec, n, early, plain, greedy=(0,))
+
+
+def _mosaic_edges(hook) -> int:
+  """Programmatic edges the hook's Mosaic GPU launches have recorded."""
+  return sum(launch.edges for plans in hook._impl._plans.values()  # pylint: disable=protected-access
+             for launches in plans._plans.values()  # pylint: disable=protected-access
+             for launch in launches
+             if isinstance(launch, native.MosaicLaunch))
+
+
+def test_gpu_mosaic_dependent_launch_is_the_plain_launch_bit_for_bit():
+  """Mosaic GPU buckets with dependent launches: the select pass launched
+  with the attribute, and the block pass, captured, with a programmatic
+  edge from the select pass before it at steps 1 to S - 1 (it loads its
+  first tile's base and proj chunks before its wait). They draft what
+  plain launches draft, bit for bit, eager and captured (the graph replayed
+  back to back on alternating inputs): B = 256 (folded chunk statistics),
+  192 (64-request tiles, the chunk pass between the two) and 136 (a
+  partial last tile)."""
+  pytest.importorskip("triton")
+  if not _GPU:
+    pytest.skip("needs a CUDA GPU")
+  if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the Mosaic GPU block pass needs a Hopper GPU")
+  m, s, v, r = 256, 7, 129280, 256
+  spec = sd.SpeculatorDouble(max_num_reqs=m, num_steps=s, vocab=v, rank=r,
+                             hidden=64, dtype=torch.bfloat16, device="cuda")
+  early, plain = (tb.FusedMarkovSampler(m, v, r, torch.bfloat16,
+                                        runtime="native", mosaic=True,
+                                        buckets=(136, 192, 256),
+                                        dependent_launch=on)
+                  for on in (True, False))
+  early.warmup(spec)
+  plain.warmup(spec)
+  for n in (256, 192, 136):
+    before = _mosaic_edges(early)
+    _assert_dependent_is_plain(spec, n, early, plain, greedy=(0,))
+    assert native_plan.shape_config(next(iter(early._impl._plans)), n).method == "mosaic"  # pylint: disable=protected-access
+    # One capture: S - 1 programmatic edges (none eager, none at step 0).
+    assert _mosaic_edges(early) - before == s - 1, n
+  assert _mosaic_edges(plain) == 0
 
 
 def _assert_dependent_is_plain(spec, n, early, plain, *, greedy):

@@ -11,6 +11,16 @@ kernel. (JAX's ``plgpu.as_torch_kernel`` does the same but launches on the
 default stream and allocates its outputs per call; here the caller binds
 every pointer, scratch included, and passes ``torch.cuda.current_stream``.)
 
+That host code launches with no launch attributes, so it cannot ask for a
+programmatic dependent launch itself. Where a CUDA graph captures the
+launch, :func:`programmatic_dependency` gives the kernel node a
+programmatic edge from the kernel before it instead (what capturing a
+launch with CUDA's programmatic-stream-serialization attribute records):
+the kernel, built with ``dependent_launch`` (it waits with
+``griddepcontrol.wait`` before it reads what earlier kernels wrote), then
+starts while the kernel before it ends. Outside a capture the launch stays
+plain, and the wait returns at once.
+
 Only reshapes may sit between the function's arguments and the kernel's
 operands: they are views of the same memory, so a pointer of an argument is
 the pointer of the operand.
@@ -135,6 +145,109 @@ def _plugin():
   return compile_fn, unload_fn
 
 
+# The CUDA driver's names and values (cuda.h, CUDA 12.3 and newer).
+_CAPTURE_ACTIVE = 1              # CU_STREAM_CAPTURE_STATUS_ACTIVE
+_NODE_KERNEL = 0                 # CU_GRAPH_NODE_TYPE_KERNEL
+_PORT_PROGRAMMATIC = 1           # CU_GRAPH_KERNEL_NODE_PORT_PROGRAMMATIC
+_DEPENDENCY_PROGRAMMATIC = 1     # CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
+_SET_DEPENDENCIES = 1            # CU_STREAM_SET_CAPTURE_DEPENDENCIES
+
+
+class _EdgeData(ctypes.Structure):
+  """CUgraphEdgeData."""
+  _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte),
+              ("type", ctypes.c_ubyte), ("reserved", ctypes.c_ubyte * 5)]
+
+
+@functools.cache
+def _driver():
+  """The driver functions :func:`programmatic_dependency` calls, by the
+  signatures of CUDA 12.3 (cuGetProcAddress at version 12030: the same
+  ABI whatever the driver's own version), or None where the driver lacks
+  them."""
+  try:
+    cuda = ctypes.CDLL("libcuda.so.1")
+  except OSError:
+    return None
+  get = cuda.cuGetProcAddress_v2
+  get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                  ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
+  get.restype = ctypes.c_int
+  p, vp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+  signatures = {
+      # (stream, status, id, graph, dependencies, edge data, count)
+      "cuStreamGetCaptureInfo": [p, ctypes.POINTER(ctypes.c_int),
+                                 ctypes.POINTER(ctypes.c_uint64), vp,
+                                 ctypes.POINTER(vp),
+                                 ctypes.POINTER(ctypes.POINTER(_EdgeData)),
+                                 ctypes.POINTER(ctypes.c_size_t)],
+      # (stream, dependencies, edge data, count, flags)
+      "cuStreamUpdateCaptureDependencies": [p, vp, ctypes.POINTER(_EdgeData),
+                                            ctypes.c_size_t, ctypes.c_uint],
+      "cuGraphNodeGetType": [p, ctypes.POINTER(ctypes.c_int)],
+  }
+  out = {}
+  for name, argtypes in signatures.items():
+    fn, found = ctypes.c_void_p(), ctypes.c_int()
+    if get(name.encode(), ctypes.byref(fn), 12030, 0,
+           ctypes.byref(found)) or not fn.value:
+      return None
+    out[name] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(fn.value)
+  return out
+
+
+def programmatic_dependency(stream: int) -> bool:
+  """Makes the next operation captured on ``stream`` depend on the kernel
+  before it by a programmatic edge, where the stream is being captured and
+  its one pending dependency is a kernel node.
+
+  The next operation must be a kernel launch built for a dependent launch
+  (it waits before it reads what the kernel before it wrote), and the
+  kernel before it should signal its dependents
+  (``griddepcontrol.launch_dependents``; without a signal the edge fires
+  when that kernel ends, as a plain edge does).
+
+  Returns:
+    True where the edge was set; False where nothing changed: the stream is
+    not capturing, its dependency is not one kernel node, or the driver is
+    older than CUDA 12.3.
+
+  Raises:
+    RuntimeError: a driver call failed.
+  """
+  fns = _driver()
+  if fns is None:
+    return False
+  status, capture_id = ctypes.c_int(), ctypes.c_uint64()
+  graph = ctypes.c_void_p()
+  deps = ctypes.POINTER(ctypes.c_void_p)()
+  edges = ctypes.POINTER(_EdgeData)()
+  count = ctypes.c_size_t()
+  err = fns["cuStreamGetCaptureInfo"](
+      stream, ctypes.byref(status), ctypes.byref(capture_id),
+      ctypes.byref(graph), ctypes.byref(deps), ctypes.byref(edges),
+      ctypes.byref(count))
+  if err:
+    raise RuntimeError(f"cuStreamGetCaptureInfo failed: CUresult {err}")
+  if status.value != _CAPTURE_ACTIVE or count.value != 1:
+    return False
+  node = ctypes.c_void_p(deps[0])  # the driver's array: copied before reuse
+  kind = ctypes.c_int()
+  err = fns["cuGraphNodeGetType"](node, ctypes.byref(kind))
+  if err:
+    raise RuntimeError(f"cuGraphNodeGetType failed: CUresult {err}")
+  if kind.value != _NODE_KERNEL:
+    return False
+  edge = _EdgeData(from_port=_PORT_PROGRAMMATIC, to_port=0,
+                   type=_DEPENDENCY_PROGRAMMATIC)
+  err = fns["cuStreamUpdateCaptureDependencies"](
+      stream, ctypes.byref(node), ctypes.byref(edge), 1, _SET_DEPENDENCIES)
+  if err:
+    raise RuntimeError(
+        f"cuStreamUpdateCaptureDependencies failed: CUresult {err}")
+  return True
+
+
 class MosaicKernel:
   """A compiled Mosaic GPU kernel: ``kernel(pointers, stream)`` launches it.
 
@@ -162,14 +275,25 @@ class MosaicKernel:
       self._launch = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(launch)
     self.num_pointers = len(ir.operands) + len(ir.results)
 
-  def __call__(self, pointers: Sequence[int], stream: int) -> None:
+  def __call__(self, pointers: Sequence[int], stream: int, *,
+               programmatic: bool = False) -> bool:
+    """Launches the kernel on ``stream``.
+
+    programmatic: where a capture records the launch, its edge from the
+    kernel before it is programmatic (:func:`programmatic_dependency`; the
+    kernel must be built with dependent_launch).
+
+    Returns:
+      Whether the launch got a programmatic edge.
+    """
     if len(pointers) != self.num_pointers:
       raise ValueError(f"{self.ir.name}: {len(pointers)} pointers for "
                        f"{self.num_pointers} operands and results")
+    edge = programmatic and programmatic_dependency(stream)
     buffers = (ctypes.c_void_p * len(pointers))(*pointers)
     if self._direct:
       self._launch(self._function, stream, buffers)
-      return
+      return edge
     stream_arg = ctypes.c_void_p(stream)
     # The host program's arguments in MLIR's C calling convention: a pointer
     # to each argument (context, stream, pointer to the buffer array).
@@ -179,6 +303,7 @@ class MosaicKernel:
     args[2] = ctypes.cast(ctypes.pointer(ctypes.pointer(buffers)),
                           ctypes.POINTER(ctypes.c_void_p))
     self._launch(args)
+    return edge
 
   def __del__(self):
     compiled = getattr(self, "_compiled", None)

@@ -341,21 +341,29 @@ class Launch:
 class MosaicLaunch:
   """One launch of a Mosaic GPU kernel (torch_bridge.mosaic_launch): its
   pointers as :class:`Launch` takes them (ints, or names of the call's
-  bindings), launched by the kernel's own host code on ``stream``."""
+  bindings), launched by the kernel's own host code on ``stream``.
 
-  def __init__(self, kernel, args: list):
+  programmatic: the kernel is built for a dependent launch and follows a
+  kernel that signals its dependents: a capture records the launch with a
+  programmatic edge from that kernel (mosaic_launch.programmatic_dependency;
+  ``edges`` counts the launches that got one)."""
+
+  def __init__(self, kernel, args: list, *, programmatic: bool = False):
     if len(args) != kernel.num_pointers:
       raise RuntimeError(f"{kernel.ir.name}: {len(args)} pointers for "
                          f"{kernel.num_pointers} operands and results")
     self.kernel = kernel
     self.args = args
     self.dynamic = [i for i, a in enumerate(args) if isinstance(a, str)]
+    self.programmatic = programmatic
+    self.edges = 0
 
   def __call__(self, bindings: dict, stream: int) -> None:
     args = list(self.args)
     for i in self.dynamic:
       args[i] = bindings[args[i]]
-    self.kernel(args, stream)
+    self.edges += bool(self.kernel(args, stream,
+                                   programmatic=self.programmatic))
 
 
 class Zero:

@@ -149,11 +149,13 @@ def bucket_dependent_launch(shape: "DraftShape", bucket: int,
   launches: where enabled and the bucket runs the select pass. Not with the
   tail select (the table's choice at B = 1): measured 10% slower there at
   the DeepSeek-V4 shape (docs/perf-notes.md change 32); not for the
-  persistent draft (one launch, after a memset); not beside the Mosaic GPU
-  block pass (launched by its own host code, which sets no launch
-  attribute)."""
+  persistent draft (one launch, after a memset). A Mosaic GPU bucket's
+  block pass is launched by its own host code, which sets no launch
+  attribute: captured, it gets a programmatic edge from the select pass
+  before it instead (mosaic_launch.programmatic_dependency); its
+  embed_rows and chunk pass launch plainly."""
   cfg = shape_config(shape, bucket)
-  return enabled and cfg.select == "pass" and cfg.method != "mosaic"
+  return enabled and cfg.select == "pass"
 
 
 def mosaic_allowed(capability: tuple[int, int],
@@ -332,7 +334,7 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
     return out
   if cfg.method == "mosaic":
     out.update(_lower_mosaic(sh, bp, ir_cache, capability, cfg, desc,
-                             num_sms))
+                             num_sms, dependent_launch))
     return out
   tail = cfg.select == "tail"
   # The map: sampling walks the target columns by slot, greedy drafting
@@ -398,9 +400,11 @@ def lower_bucket(shape: DraftShape, bucket: int, ir_cache: native.IRCache,
 
 def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
                   capability, cfg: tuning.KernelConfig, desc: dict,
-                  num_sms: int | None) -> dict:
+                  num_sms: int | None, dependent_launch: bool = False) -> dict:
   """embed_rows (Triton), mosaic_block_pass (Mosaic GPU: a MosaicIR, no
-  Triton path) and the select pass on block-major statistics."""
+  Triton path) and the select pass on block-major statistics; with
+  dependent_launch the block and select passes are built for dependent
+  launches (embed_rows and the chunk pass are not)."""
   m, s, v, r = sh.max_num_reqs, sh.steps, sh.vocab, sh.rank
   i32, f32 = jnp.int32, jnp.float32
   out = {}
@@ -431,7 +435,8 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
         base, emb, proj, params, step, cache, cache_rows, num_steps=s,
         num_cache_rows=m * s, block_b=cfg.block_b, block_v=cfg.block_v,
         max_concurrent_steps=cfg.num_stages if cfg.num_stages >= 2 else None,
-        num_sms=num_sms, chunk=fold, store_warpgroup=cfg.store_warpgroup)
+        num_sms=num_sms, chunk=fold, store_warpgroup=cfg.store_warpgroup,
+        dependent_launch=dependent_launch)
 
   ir = mosaic_launch.lower(block_call, *specs.values(),
                            name="mosaic_block_pass")
@@ -468,7 +473,8 @@ def _lower_mosaic(sh: DraftShape, bp: int, ir_cache: native.IRCache,
                        params, cache_rows, tokens, config=cfg, num_steps=s,
                        vocab=v, stats_major="block",
                        chunk_stats=(chunk_max, chunk_sum, chunk_argmax),
-                       chunk=chunk, embed=embed, emb=emb)
+                       chunk=chunk, embed=embed, emb=emb,
+                       dependent_launch=dependent_launch)
 
   specs = dict(block_max=_spec((nb, bp), f32), block_sum=_spec((nb, bp), f32),
                block_argmax=_spec((nb, bp), i32), cache=_spec((m * s, v), f32),
@@ -580,6 +586,7 @@ class DraftPlans:
                  emb=ptr(self.emb))
     launches = []
     cfg = shape_config(self.shape, bp)
+    dependent = bucket_dependent_launch(self.shape, bp, self.dependent_launch)
     for name, (ir, path, names) in lower_bucket(
         self.shape, bp, self.ir_cache, self.capability, self.num_sms,
         self.dependent_launch).items():
@@ -588,9 +595,7 @@ class DraftPlans:
       else:
         kernel = native.compile_kernel(
             ir, path, self.capability,
-            launch_pdl=(name in DEPENDENT_LAUNCH_KERNELS
-                        and bucket_dependent_launch(self.shape, bp,
-                                                    self.dependent_launch)))
+            launch_pdl=name in DEPENDENT_LAUNCH_KERNELS and dependent)
       steps = range(self.shape.steps) if name in _STEP_KERNELS else (None,)
       if name == "embed_rows" and cfg.select_embed:
         steps = (0,)  # later steps' embeddings: the select pass before
@@ -599,7 +604,11 @@ class DraftPlans:
         if step is not None:
           table["step"] = ptr(self.steps[step])
         args = [table.get(n, n) for n in names]
-        launches.append((name, step, native.MosaicLaunch(kernel, args)
+        # From step 1 with select_embed the select pass (built dependent:
+        # it signals after its wait) is the kernel before the Mosaic pass.
+        programmatic = dependent and cfg.select_embed and step != 0
+        launches.append((name, step, native.MosaicLaunch(
+            kernel, args, programmatic=programmatic)
                          if name == "mosaic_block_pass"
                          else native.Launch(ir, kernel, args)))
       if name == "draft_pass":

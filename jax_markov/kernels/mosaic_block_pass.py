@@ -1,8 +1,8 @@
 """The fused block pass as a Pallas Mosaic GPU (Hopper) kernel, for large B.
 
-The fused mode of :mod:`block_pass` (select pass, no tail select, slots,
-columns or dependent launch) for one step s of an S-step draft: it forms the
-pre-temperature logits
+The fused mode of :mod:`block_pass` (select pass, no tail select, slots or
+columns) for one step s of an S-step draft: it forms the pre-temperature
+logits
 
   x[b, v] = base[b * S + s, v] + sum_r emb[b, r] * proj[v, r]   (float32)
 
@@ -62,6 +62,10 @@ Kernel layout (all static, chosen by :func:`plan`):
   256-byte rows (:func:`_store_rows_by_warp`); with ``"tma"`` unswizzled
   [64, 64] tiles and one TMA a row (slow; the reference the other is
   checked against bit for bit).
+* a dependent launch (``dependent_launch``): the producer loads the first
+  tile's base and proj chunks, which no kernel of the draft writes, before
+  ``griddepcontrol.wait``; every other load and store comes after a wait,
+  so the step's ramp overlaps the select pass before it.
 * 1 / T is read per draw from row 0 of the [3, B * S] draw parameters (a
   strided load of 64 values per consumer, once per CTA).
 * the statistics leave the kernel vocabulary-block-major, [NB, B]: a TMA
@@ -169,6 +173,10 @@ class Plan:
   store_wg: bool = False
   # float32 words a row of a warp-store staging tile.
   stage_pitch: int = STAGE_PITCH
+  # Built for a programmatic dependent launch (see _kernel): the producer
+  # issues the first tile's base and proj loads, then waits for the kernels
+  # before; every other warpgroup waits first.
+  dependent_launch: bool = False
 
   @property
   def num_blocks(self) -> int:
@@ -327,13 +335,14 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
          row_stores: str = "tma", omit: tuple = (),
          base_slots: int = 2, multicast: bool = False,
          chunk: int | None = None, state_rows: bool = False,
-         store_warpgroup: bool = False) -> Plan:
+         store_warpgroup: bool = False,
+         dependent_launch: bool = False) -> Plan:
   """Checks the shapes and picks the tiles; raises ValueError if unsupported.
 
   row_stores ("tma" or "warp") is how state rows are stored; the dense
   layout ignores it (one TMA box a tile). state_rows: the cache is
-  state-indexed (cache_rows given). chunk, store_warpgroup: see
-  mosaic_block_pass.
+  state-indexed (cache_rows given). chunk, store_warpgroup,
+  dependent_launch: see mosaic_block_pass.
   """
   if not set(omit) <= set(OMITTABLE):
     raise ValueError(f"omit must be a subset of {OMITTABLE}, got {omit!r}")
@@ -462,6 +471,10 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
     # block_v here, a tile is a block).
     grid_v = -(-num_v_tiles // chunk)
   cluster = num_b_tiles if multicast else 1
+  if dependent_launch and multicast:
+    # Not built: multicast is an experiment's knob (change 37), in no plan
+    # a runtime launches.
+    raise ValueError("dependent_launch and multicast do not combine")
   if cluster > MAX_CLUSTER or TILE_K % cluster or cta_v % (8 * cluster):
     raise ValueError(
         f"multicast: the {num_b_tiles} request tiles of B = {batch} must form "
@@ -473,7 +486,7 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
               row_stores=row_stores, omit=tuple(omit), base_slots=base_slots,
               cluster=cluster, chunk=chunk or 0, state_rows=state_rows,
               store_wg=store_wg, stage_pitch=stage_pitch,
-              num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
+              dependent_launch=dependent_launch, num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
 
 
 def _swizzled(dtype):
@@ -676,10 +689,46 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
     # one parity bit per barrier per thread): consumers on each proj chunk
     # and base tile, the producer on each release of a slot it refills.
 
+    # What a dependent launch may load before its wait: base (written
+    # before the draft), proj (weights) and the first tile's slots, free at
+    # the start. Everything else (the embeddings the select pass before
+    # wrote, the statistics it reads, the cache) comes after it.
+    early_k = min(stages, num_k) if p.dependent_launch else 0
+
     @pl.when(wg == p.consumers)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      step = step_gmem[0]
+      step = step_gmem[0]  # written once, before any draft
+
+      def load_base(v0, slot):
+        if halves == 1:
+          plgpu.copy_gmem_to_smem(
+              base_gmem.at[pl.ds(window(b0), block_b), step, pl.ds(v0, cta_v)],
+              base_smem.at[slot], base_bar.at[slot])
+        for h in range(halves if halves > 1 else 0):
+          plgpu.copy_gmem_to_smem(
+              base_gmem.at[pl.ds(window(b0 + h * WG_ROWS), WG_ROWS), step,
+                           pl.ds(v0, cta_v)],
+              base_smem.at[slot, pl.ds(h * WG_ROWS, WG_ROWS)],
+              base_bar.at[slot * halves + h])
+
+      def load_proj(v0, k, ps):
+        # With a cluster, each CTA loads 1 / cluster of the chunk's rows
+        # and multicasts them: every CTA's barrier counts the whole chunk.
+        plgpu.copy_gmem_to_smem(
+            proj_gmem.at[pl.ds(v0, cta_v), pl.ds(k * TILE_K, TILE_K)],
+            proj_smem.at[ps], proj_bar.at[ps],
+            collective_axes="b" if p.cluster > 1 else None)
+
+      if p.dependent_launch:
+        @pl.when(num_t > 0)
+        def _():
+          load_base(tile_v0(0), 0)
+          for k in range(early_k):
+            load_proj(tile_v0(0), k, k)
+
+        plgpu.griddepcontrol_wait()
+        plgpu.griddepcontrol_launch_dependents()
       for k in range(num_k):  # once per CTA; separate barriers, one per TMA
         if halves == 1:
           plgpu.copy_gmem_to_smem(
@@ -703,16 +752,11 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
         def _():
           plgpu.barrier_wait(base_free.at[slot])
 
-        if halves == 1:
-          plgpu.copy_gmem_to_smem(
-              base_gmem.at[pl.ds(window(b0), block_b), step, pl.ds(v0, cta_v)],
-              base_smem.at[slot], base_bar.at[slot])
-        for h in range(halves if halves > 1 else 0):
-          plgpu.copy_gmem_to_smem(
-              base_gmem.at[pl.ds(window(b0 + h * WG_ROWS), WG_ROWS), step,
-                           pl.ds(v0, cta_v)],
-              base_smem.at[slot, pl.ds(h * WG_ROWS, WG_ROWS)],
-              base_bar.at[slot * halves + h])
+        if p.dependent_launch:
+          # Tile 0's base went before the wait.
+          pl.when(t > 0)(lambda: load_base(v0, slot))
+        else:
+          load_base(v0, slot)
         for k in range(num_k):
           g = t * num_k + k  # proj chunks are numbered across tiles
           ps = lax.rem(g, stages)
@@ -721,12 +765,11 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
           def _():
             plgpu.barrier_wait(proj_free.at[ps])
 
-          # With a cluster, each CTA loads 1 / cluster of the chunk's rows
-          # and multicasts them: every CTA's barrier counts the whole chunk.
-          plgpu.copy_gmem_to_smem(
-              proj_gmem.at[pl.ds(v0, cta_v), pl.ds(k * TILE_K, TILE_K)],
-              proj_smem.at[ps], proj_bar.at[ps],
-              collective_axes="b" if p.cluster > 1 else None)
+          if k < early_k:
+            # Tile 0's first chunks went before the wait.
+            pl.when(t > 0)(functools.partial(load_proj, v0, k, ps))
+          else:
+            load_proj(v0, k, ps)
 
     if p.store_wg:
       @pl.when(wg == p.consumers + 1)
@@ -735,6 +778,9 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
         # (tile t, epilogue tile e, consumer 0 then 1) and stores their rows
         # by warp while the consumers go on to the next WGMMA.
         plgpu.set_max_registers(40, action="decrease")
+        if p.dependent_launch:
+          plgpu.griddepcontrol_wait()
+          plgpu.griddepcontrol_launch_dependents()
 
         @pl.loop(0, num_t)
         def _store(t):
@@ -757,6 +803,11 @@ def _kernel(base_gmem, emb_gmem, proj_gmem, params_gmem, step_gmem,
       # Two consumers: 232 registers (216 beside a store warpgroup); three:
       # 152 (144).
       plgpu.set_max_registers(p.consumer_registers, action="increase")
+      if p.dependent_launch:
+        # Before any load or store: the statistics this writes are what the
+        # select pass before reads.
+        plgpu.griddepcontrol_wait()
+        plgpu.griddepcontrol_launch_dependents()
       step = step_gmem[0]
       row_off = 0 if p.split_v else wg * WG_ROWS
       col_off = wg * block_v if p.split_v else 0
@@ -1034,8 +1085,8 @@ def _check_operands(base, emb, proj, params, step, cache, cache_rows,
     jax.jit,
     static_argnames=("num_steps", "num_cache_rows", "block_b", "block_v",
                      "max_concurrent_steps", "num_sms", "row_stores",
-                     "chunk", "store_warpgroup", "_omit", "_base_slots",
-                     "_multicast"),
+                     "chunk", "store_warpgroup", "dependent_launch",
+                     "_omit", "_base_slots", "_multicast"),
     donate_argnames=("cache",))
 def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       params: jax.Array, step: jax.Array,
@@ -1047,6 +1098,7 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
                       num_sms: int | None = None,
                       row_stores: str = "warp", chunk: int | None = None,
                       store_warpgroup: bool = False,
+                      dependent_launch: bool = False,
                       _omit: tuple = (),
                       _base_slots: int = 2, _multicast: bool = False):
   """Runs one step of the fused block pass on Hopper (Mosaic GPU).
@@ -1102,6 +1154,14 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
       issuing WGMMA for their own stores). The same bits either way.
       Ignored where the cache is stored by TMA. Level in the captured
       draft on an H100 (docs/perf-notes.md change 58): off by default.
+    dependent_launch: built for a programmatic dependent launch (static;
+      the native runtime's capture gives the launch a programmatic edge
+      from the select pass before it, torch_bridge/mosaic_launch.py): the
+      producer loads the first vocabulary tile's base and its first proj
+      chunks (nothing an earlier kernel of the draft writes), then every
+      warpgroup executes ``griddepcontrol.wait`` before it reads the
+      embeddings or writes anything, then lets the next kernel launch.
+      Launched plainly the wait returns at once: the same bits either way.
     _omit: stages to leave out, for timing the rest only (a subset of
       OMITTABLE; the outputs are then wrong): "mma", "cache", "stats".
     _base_slots: base tiles in flight (>= 2; an experiment's knob).
@@ -1139,7 +1199,7 @@ def mosaic_block_pass(base: jax.Array, emb: jax.Array, proj: jax.Array,
            row_stores=row_stores, omit=_omit, base_slots=_base_slots,
            multicast=_multicast, chunk=chunk,
            state_rows=cache_rows is not None,
-           store_warpgroup=store_warpgroup)
+           store_warpgroup=store_warpgroup, dependent_launch=dependent_launch)
   B, S, V = p.batch, p.steps, p.vocab
   if num_cache_rows is None:
     num_cache_rows = B * S
