@@ -617,3 +617,44 @@ def test_three_consumer_draft(B):
   check_sample_draft(draft, *args)
   assert_sample_drafts_agree(draft, jm.sample_draft(*args, config=FUSED),
                              *args)
+
+
+@pytest.mark.parametrize("B,block_b,rows,fold,store_wg", [
+    (256, 128, True, True, False),    # the table's B = 256 entry
+    (256, 128, False, False, False),  # dense, strided workers
+    (192, 64, True, False, False),    # the rule's 64-request tiles
+    (136, 64, True, False, True),     # a partial tile, a store warpgroup
+    (72, 128, False, True, False),    # one partial 128-request tile
+])
+def test_dependent_launch_kernel_is_the_plain_kernel_bit_for_bit(
+    B, block_b, rows, fold, store_wg):
+  """Built for a dependent launch (the producer loads the first tile's base
+  and proj chunks before griddepcontrol.wait, the loop skips them at tile
+  0) and launched plainly by XLA, where the wait returns at once, the
+  kernel writes what the plain kernel writes, bit for bit: cache, block
+  and chunk statistics (docs/perf-notes.md change 62)."""
+  S, V, R = DSV4["S"], DSV4["V"], DSV4["R"]
+  N = B + 5 if rows else B
+  rng = np.random.default_rng(62 + B)
+  bf16 = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.bfloat16)
+  base, emb, proj = bf16(B * S, V), bf16(B, R), bf16(V, R) * 0.1
+  params = jnp.stack([jnp.full(B * S, 1 / 0.7, jnp.float32),
+                      jnp.zeros(B * S), jnp.full(B * S, 0.5)])
+  cache_rows = None
+  if rows:
+    r = (rng.permutation(N)[:B, None] * S + np.arange(S)).astype(np.int32)
+    r[1] = -1
+    cache_rows = jnp.asarray(r.reshape(-1))
+  cache0 = jnp.asarray(rng.standard_normal((N * S, V)), jnp.float32)
+  chunk = (mbp.default_chunk(B, V, block_b=block_b, block_v=64) if fold
+           else None)
+  for s in (0, 5):
+    step = jnp.array([s], jnp.int32)
+    kw = dict(num_steps=S, num_cache_rows=N * S, block_b=block_b,
+              block_v=64, chunk=chunk, store_warpgroup=store_wg)
+    plain, early = ([np.asarray(a) for a in mbp.mosaic_block_pass(
+        base, emb, proj, params, step, jnp.array(cache0), cache_rows,
+        dependent_launch=dependent, **kw)] for dependent in (False, True))
+    assert len(plain) == (7 if fold else 4)
+    for a, b in zip(plain, early):
+      np.testing.assert_array_equal(a, b)

@@ -199,10 +199,9 @@ def test_mosaic_bucket_is_planned(tmp_path):
       "cache_rows", "tokens", "chunk_max", "chunk_sum", "chunk_argmax",
       "tokens"]
   assert gathered["embed_rows"][2] == kernels["embed_rows"][2]
-  # Dependent launches reach the Mosaic bucket too (its select pass, and a
-  # captured block pass by a programmatic edge: the next test).
-  assert native_plan.bucket_dependent_launch(shape, 256, True)
-  assert not native_plan.bucket_dependent_launch(shape, 256, False)
+  # Dependent launches reach the Mosaic bucket only where opted in (the
+  # next test).
+  assert not native_plan.bucket_dependent_launch(shape, 256, True)
   # A vocabulary with no entry takes the Mosaic rule at 256, not at 128.
   v152k = dataclasses.replace(_shape(256, 7, 151936, 256), mosaic=True,
                               gpu="NVIDIA H100 80GB HBM3")
@@ -249,8 +248,10 @@ def test_hook_mosaic_argument():
     tb.FusedMarkovSampler(4, 64, 8, "bfloat16", runtime="jax", mosaic=1)
 
 
-def test_dependent_launch_reaches_the_mosaic_bucket(tmp_path):
-  """With dependent_launch a Mosaic GPU bucket builds its select pass and
+def test_dependent_launch_reaches_the_mosaic_bucket(tmp_path, monkeypatch):
+  """Opted in ($JAX_MARKOV_MOSAIC_DEPENDENT_LAUNCH=1; off by default, not
+  yet run on a GPU), with dependent_launch a Mosaic GPU bucket builds its
+  select pass and
   draw_params to wait (launched with the attribute) and its Mosaic block
   pass to wait too (a module of its own, cached apart); embed_rows and
   the chunk pass stay plain. (Which launches get a programmatic edge, and
@@ -259,6 +260,12 @@ def test_dependent_launch_reaches_the_mosaic_bucket(tmp_path):
   pytest.importorskip("jax.experimental.pallas.mosaic_gpu")
   cache = native.IRCache(str(tmp_path))
   shape = dataclasses.replace(_shape(256, 7, 129280, 256), mosaic=True)
+  monkeypatch.setenv("JAX_MARKOV_MOSAIC_DEPENDENT_LAUNCH", "0")
+  off = native_plan.lower_bucket(shape, 256, cache, (9, 0), 132,
+                                 dependent_launch=True)
+  monkeypatch.setenv("JAX_MARKOV_MOSAIC_DEPENDENT_LAUNCH", "1")
+  assert native_plan.bucket_dependent_launch(shape, 256, True)
+  assert not native_plan.bucket_dependent_launch(shape, 256, False)
   early = native_plan.lower_bucket(shape, 256, cache, (9, 0), 132,
                                    dependent_launch=True)
   plain = native_plan.lower_bucket(shape, 256, cache, (9, 0), 132)
@@ -270,6 +277,14 @@ def test_dependent_launch_reaches_the_mosaic_bucket(tmp_path):
   assert early["embed_rows"][0].ttir == plain["embed_rows"][0].ttir
   assert b"griddepcontrol" in early["mosaic_block_pass"][0].module
   assert b"griddepcontrol" not in plain["mosaic_block_pass"][0].module
+  # Not opted in: the plain kernels.
+  for name in off:
+    assert (off[name][0].module == plain[name][0].module
+            if name == "mosaic_block_pass"
+            else off[name][0].ttir == plain[name][0].ttir), name
+  monkeypatch.setenv("JAX_MARKOV_MOSAIC_DEPENDENT_LAUNCH", "yes")
+  with pytest.raises(ValueError, match="MOSAIC_DEPENDENT_LAUNCH"):
+    native_plan.bucket_dependent_launch(shape, 256, True)
 
 
 @pytest.mark.parametrize("greedy,draft_vocab", [(False, None), (True, None),
@@ -769,7 +784,8 @@ def _mosaic_edges(hook) -> int:
              if isinstance(launch, native.MosaicLaunch))
 
 
-def test_gpu_mosaic_dependent_launch_is_the_plain_launch_bit_for_bit():
+def test_gpu_mosaic_dependent_launch_is_the_plain_launch_bit_for_bit(
+    monkeypatch):
   """Mosaic GPU buckets with dependent launches: the select pass launched
   with the attribute, and the block pass, captured, with a programmatic
   edge from the select pass before it at steps 1 to S - 1 (it loads its
@@ -783,6 +799,7 @@ def test_gpu_mosaic_dependent_launch_is_the_plain_launch_bit_for_bit():
     pytest.skip("needs a CUDA GPU")
   if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("the Mosaic GPU block pass needs a Hopper GPU")
+  monkeypatch.setenv("JAX_MARKOV_MOSAIC_DEPENDENT_LAUNCH", "1")
   m, s, v, r = 256, 7, 129280, 256
   spec = sd.SpeculatorDouble(max_num_reqs=m, num_steps=s, vocab=v, rank=r,
                              hidden=64, dtype=torch.bfloat16, device="cuda")

@@ -143,19 +143,34 @@ def use_dependent_launch(asked: bool | None,
   return bool(asked)
 
 
+def mosaic_dependent_launch() -> bool:
+  """Whether Mosaic GPU buckets take dependent launches too (where
+  :func:`bucket_dependent_launch` is enabled): $JAX_MARKOV_MOSAIC_DEPENDENT_
+  LAUNCH="1". Off by default: built and checked on the CPU in session 35,
+  not yet run on a GPU (docs/perf-notes.md change 62). Raises ValueError
+  for a value other than "0" or "1"."""
+  env = os.environ.get("JAX_MARKOV_MOSAIC_DEPENDENT_LAUNCH", "0")
+  if env not in ("0", "1"):
+    raise ValueError("JAX_MARKOV_MOSAIC_DEPENDENT_LAUNCH must be '0' or "
+                     f"'1', got {env!r}")
+  return env == "1"
+
+
 def bucket_dependent_launch(shape: "DraftShape", bucket: int,
                             enabled: bool) -> bool:
   """Whether a bucket's kernels are built and launched as dependent
   launches: where enabled and the bucket runs the select pass. Not with the
   tail select (the table's choice at B = 1): measured 10% slower there at
   the DeepSeek-V4 shape (docs/perf-notes.md change 32); not for the
-  persistent draft (one launch, after a memset). A Mosaic GPU bucket's
-  block pass is launched by its own host code, which sets no launch
-  attribute: captured, it gets a programmatic edge from the select pass
-  before it instead (mosaic_launch.programmatic_dependency); its
-  embed_rows and chunk pass launch plainly."""
+  persistent draft (one launch, after a memset). A Mosaic GPU bucket only
+  where :func:`mosaic_dependent_launch` opts in: its block pass is
+  launched by its own host code, which sets no launch attribute, so a
+  capture gives it a programmatic edge from the select pass before it
+  instead (mosaic_launch.programmatic_dependency); its embed_rows and
+  chunk pass launch plainly."""
   cfg = shape_config(shape, bucket)
-  return enabled and cfg.select == "pass"
+  return (enabled and cfg.select == "pass"
+          and (cfg.method != "mosaic" or mosaic_dependent_launch()))
 
 
 def mosaic_allowed(capability: tuple[int, int],
