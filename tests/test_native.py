@@ -287,6 +287,75 @@ def test_dependent_launch_reaches_the_mosaic_bucket(tmp_path, monkeypatch):
     native_plan.bucket_dependent_launch(shape, 256, True)
 
 
+class _FakeDriver:
+  """The three driver functions programmatic_dependency calls, as C
+  callbacks with their CUDA 12.3 signatures (so the arguments cross
+  ctypes as they would to the driver): a capture in ``status`` with the
+  pending ``nodes`` of the given ``types``; records what the update sets."""
+
+  def __init__(self, status=1, nodes=(0xAB0,), types=(0,), error=0):
+    import ctypes
+    from torch_bridge import mosaic_launch as ml
+    self.status, self.types, self.error = status, dict(zip(nodes, types)), error
+    self.nodes = (ctypes.c_void_p * len(nodes))(*nodes)
+    self.updates = []
+    sig = ml.DRIVER_SIGNATURES
+
+    def info(stream, status, cid, graph, deps, edges, count):
+      del graph, edges
+      self.stream = stream
+      status[0] = self.status
+      cid[0] = 7
+      deps[0] = ctypes.cast(self.nodes, ctypes.POINTER(ctypes.c_void_p))
+      count[0] = len(self.nodes)
+      return self.error
+
+    def node_type(node, kind):
+      kind[0] = self.types[node]
+      return 0
+
+    def update(stream, deps, edges, count, flags):
+      self.updates.append((stream, deps[0], edges[0].from_port,
+                           edges[0].to_port, edges[0].type, count, flags))
+      return 0
+
+    self.fns = {
+        "cuStreamGetCaptureInfo": ctypes.CFUNCTYPE(*sig[
+            "cuStreamGetCaptureInfo"])(info),
+        "cuGraphNodeGetType": ctypes.CFUNCTYPE(*sig[
+            "cuGraphNodeGetType"])(node_type),
+        "cuStreamUpdateCaptureDependencies": ctypes.CFUNCTYPE(*sig[
+            "cuStreamUpdateCaptureDependencies"])(update),
+    }
+
+
+def test_programmatic_dependency_sets_one_programmatic_edge(monkeypatch):
+  """Under an active capture whose one pending node is a kernel, the
+  stream's dependency becomes that node through a programmatic edge (from
+  the programmatic port, CU_STREAM_SET_CAPTURE_DEPENDENCIES); anything else
+  (no capture, two pending nodes, a memset node, no driver) changes
+  nothing, and a failing driver call raises. The driver is faked by C
+  callbacks with the driver's signatures (the GPU tests use the real one)."""
+  from torch_bridge import mosaic_launch as ml
+  fake = _FakeDriver()
+  monkeypatch.setattr(ml, "_driver", lambda: fake.fns)
+  assert ml.programmatic_dependency(0x5000)
+  assert fake.stream == 0x5000
+  assert fake.updates == [(0x5000, 0xAB0, 1, 0, 1, 1, 1)]
+  for kw in (dict(status=0), dict(status=2), dict(nodes=(1, 2), types=(0, 0)),
+             dict(types=(8,))):
+    fake = _FakeDriver(**kw)
+    monkeypatch.setattr(ml, "_driver", lambda f=fake: f.fns)
+    assert not ml.programmatic_dependency(0x5000), kw
+    assert not fake.updates, kw
+  fake = _FakeDriver(error=900)
+  monkeypatch.setattr(ml, "_driver", lambda: fake.fns)
+  with pytest.raises(RuntimeError, match="cuStreamGetCaptureInfo"):
+    ml.programmatic_dependency(0x5000)
+  monkeypatch.setattr(ml, "_driver", lambda: None)
+  assert not ml.programmatic_dependency(0x5000)
+
+
 @pytest.mark.parametrize("greedy,draft_vocab", [(False, None), (True, None),
                                                 (False, 40)])
 def test_dependent_launch_is_built_into_the_step_kernels(tmp_path, greedy,

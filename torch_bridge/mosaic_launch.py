@@ -159,12 +159,29 @@ class _EdgeData(ctypes.Structure):
               ("type", ctypes.c_ubyte), ("reserved", ctypes.c_ubyte * 5)]
 
 
+_P, _VP = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+# The driver functions programmatic_dependency calls: (result, *arguments).
+DRIVER_SIGNATURES = {
+    # (stream, status, id, graph, dependencies, edge data, count)
+    "cuStreamGetCaptureInfo": (
+        ctypes.c_int, _P, ctypes.POINTER(ctypes.c_int),
+        ctypes.POINTER(ctypes.c_uint64), _VP, ctypes.POINTER(_VP),
+        ctypes.POINTER(ctypes.POINTER(_EdgeData)),
+        ctypes.POINTER(ctypes.c_size_t)),
+    # (stream, dependencies, edge data, count, flags)
+    "cuStreamUpdateCaptureDependencies": (
+        ctypes.c_int, _P, _VP, ctypes.POINTER(_EdgeData), ctypes.c_size_t,
+        ctypes.c_uint),
+    # (node, type)
+    "cuGraphNodeGetType": (ctypes.c_int, _P, ctypes.POINTER(ctypes.c_int)),
+}
+
+
 @functools.cache
 def _driver():
-  """The driver functions :func:`programmatic_dependency` calls, by the
-  signatures of CUDA 12.3 (cuGetProcAddress at version 12030: the same
-  ABI whatever the driver's own version), or None where the driver lacks
-  them."""
+  """The functions of DRIVER_SIGNATURES by CUDA 12.3's signatures
+  (cuGetProcAddress at version 12030: the same ABI whatever the driver's
+  own version), or None where the driver lacks them."""
   try:
     cuda = ctypes.CDLL("libcuda.so.1")
   except OSError:
@@ -173,26 +190,13 @@ def _driver():
   get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
                   ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
   get.restype = ctypes.c_int
-  p, vp = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
-  signatures = {
-      # (stream, status, id, graph, dependencies, edge data, count)
-      "cuStreamGetCaptureInfo": [p, ctypes.POINTER(ctypes.c_int),
-                                 ctypes.POINTER(ctypes.c_uint64), vp,
-                                 ctypes.POINTER(vp),
-                                 ctypes.POINTER(ctypes.POINTER(_EdgeData)),
-                                 ctypes.POINTER(ctypes.c_size_t)],
-      # (stream, dependencies, edge data, count, flags)
-      "cuStreamUpdateCaptureDependencies": [p, vp, ctypes.POINTER(_EdgeData),
-                                            ctypes.c_size_t, ctypes.c_uint],
-      "cuGraphNodeGetType": [p, ctypes.POINTER(ctypes.c_int)],
-  }
   out = {}
-  for name, argtypes in signatures.items():
+  for name, signature in DRIVER_SIGNATURES.items():
     fn, found = ctypes.c_void_p(), ctypes.c_int()
     if get(name.encode(), ctypes.byref(fn), 12030, 0,
            ctypes.byref(found)) or not fn.value:
       return None
-    out[name] = ctypes.CFUNCTYPE(ctypes.c_int, *argtypes)(fn.value)
+    out[name] = ctypes.CFUNCTYPE(*signature)(fn.value)
   return out
 
 
