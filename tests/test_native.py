@@ -273,6 +273,17 @@ def test_dependent_launch_reaches_the_mosaic_bucket(tmp_path, monkeypatch):
   for name in ("draw_params", "select_pass"):
     assert early[name][0].ttir.count("griddepcontrol.wait") == 1, name
     assert "griddepcontrol" not in plain[name][0].ttir, name
+    if _TRITON:
+      # Compiled (sm_90, no GPU needed): launched with the attribute, and
+      # no global load before the wait (the select pass writes the next
+      # embeddings and reads the statistics only after it).
+      ir, path, _ = early[name]
+      kernel = native.compile_kernel(ir, path, (9, 0), launch_pdl=True)
+      assert kernel.metadata.launch_pdl
+      ptx = kernel.asm["ptx"]
+      wait = ptx.index("griddepcontrol.wait")
+      assert "ld.global" not in ptx[:wait], name
+      assert "st.global" not in ptx[:wait], name
   assert "griddepcontrol" not in early["embed_rows"][0].ttir
   assert early["embed_rows"][0].ttir == plain["embed_rows"][0].ttir
   assert b"griddepcontrol" in early["mosaic_block_pass"][0].module
