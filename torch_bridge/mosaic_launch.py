@@ -184,9 +184,9 @@ def _driver():
   own version), or None where the driver lacks them."""
   try:
     cuda = ctypes.CDLL("libcuda.so.1")
-  except OSError:
+    get = cuda.cuGetProcAddress_v2  # CUDA 12.0 and newer
+  except (OSError, AttributeError):
     return None
-  get = cuda.cuGetProcAddress_v2
   get.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
                   ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)]
   get.restype = ctypes.c_int
