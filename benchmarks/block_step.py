@@ -129,7 +129,8 @@ def time_variant(variant, B, *, S=7, V=129280, R=256, reps=50, repeats=5,
               base_slots=base_slots, multicast=multicast, num_sms=num_sms)
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+  """The command line (tests check the GPU queue's steps against it)."""
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--batches", type=int, nargs="+", default=[64, 128, 256])
   ap.add_argument("--variants", nargs="+", default=list(VARIANTS),
@@ -157,7 +158,11 @@ def main(argv=None):
   ap.add_argument("--num-sms", type=int, default=None,
                   help="Mosaic GPU variants: CTAs to aim for")
   ap.add_argument("--out", default=None)
-  args = ap.parse_args(argv)
+  return ap
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   ok, why = mbp.available()
   if not ok:
     print(f"block_step: needs a Hopper GPU ({why})", file=sys.stderr)

@@ -529,7 +529,8 @@ def time_seed(shape, batch, inputs, temperature, repeats, group):
   return statistics.median(times)
 
 
-def main(argv=None):
+def parser() -> argparse.ArgumentParser:
+  """The command line (tests check the GPU queue's steps against it)."""
   p = argparse.ArgumentParser()
   p.add_argument("--shape", default="dsv4", choices=sorted(common.SHAPES))
   p.add_argument("--batches", type=int, nargs="+", default=[4, 16])
@@ -585,7 +586,11 @@ def main(argv=None):
   p.add_argument("--seed", action="store_true",
                  help="also time seed_design_graph (the reference design, "
                  "captured) on the same inputs, first and last per batch")
-  args = p.parse_args(argv)
+  return p
+
+
+def main(argv=None):
+  args = parser().parse_args(argv)
   if not torch.cuda.is_available():
     print("tune_graph needs a CUDA GPU", file=sys.stderr)
     return 2

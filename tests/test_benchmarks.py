@@ -1009,3 +1009,68 @@ def test_gpu_queue_runs_steps_in_order_within_its_budget(tmp_path):
                  capture_output=True, timeout=60)
   assert [s.split()[0] for s in
           (out2 / "steps.txt").read_text().splitlines()] == ["failing"]
+
+
+def test_gpu_queue_steps_name_what_exists():
+  """Every step of benchmarks/gpu_queue.txt parses with its module's
+  command line (tune_graph, block_step, run), and every pytest step's -k
+  expression selects at least one GPU test of the files it names: a typo
+  found here costs no device time (device calls are few and short)."""
+  import shlex
+  import subprocess
+  import sys
+  from _pytest.mark.expression import Expression
+  from benchmarks import block_step, run, tune_graph
+  root = os.path.join(os.path.dirname(__file__), "..")
+  parsers = {"benchmarks.tune_graph": tune_graph.parser,
+             "benchmarks.block_step": block_step.parser,
+             "benchmarks.run": run._parser}  # noqa: SLF001
+  pytest_steps, names = [], []
+  with open(os.path.join(root, "benchmarks", "gpu_queue.txt")) as f:
+    for line in f:
+      if not line.strip() or line.startswith("#"):
+        continue
+      name, seconds, command = line.split(None, 2)
+      names.append(name)
+      assert int(seconds) > 0, name
+      lexer = shlex.shlex(command.replace("$OUT", "/tmp/out"), posix=True,
+                          punctuation_chars=";")
+      lexer.whitespace_split = True
+      parts, words = [], []
+      for token in lexer:
+        if token == ";":
+          parts.append(words)
+          words = []
+        else:
+          words.append(token)
+      for words in parts + [words]:
+        if not words or words[0] in ("for", "do") or "-m" not in words:
+          continue  # a shell loop's body is checked where it is plain
+        while "=" in words[0]:  # VAR=value before the command
+          words.pop(0)
+        module = words[words.index("-m") + 1]
+        args = words[words.index("-m") + 2:]
+        if module == "pytest":
+          k = args[args.index("-k") + 1] if "-k" in args else None
+          files = [a for a in args if a.startswith("tests/")]
+          pytest_steps.append((name, k, files))
+        elif module in parsers:
+          try:
+            parsers[module]().parse_args(args)
+          except SystemExit:
+            pytest.fail(f"queue step {name}: {module} refuses {args}")
+  assert len(names) == len(set(names)), "queue step names repeat"
+  files = sorted({f for _, _, fs in pytest_steps for f in fs})
+  out = subprocess.run(
+      [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+       "-p", "no:cacheprovider", *files], cwd=root, capture_output=True,
+      text=True, timeout=300)
+  ids = [l for l in out.stdout.splitlines() if "::" in l]
+  assert ids, out.stdout[-2000:] + out.stderr[-2000:]
+  for name, k, step_files in pytest_steps:
+    chosen = [i for i in ids if i.split("::")[0] in step_files]
+    if k is not None:
+      expr = Expression.compile(k)
+      chosen = [i for i in chosen
+                if expr.evaluate(lambda word, i=i: word.lower() in i.lower())]
+    assert chosen, f"queue step {name}: -k {k!r} selects no GPU test"
