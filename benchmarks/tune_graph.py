@@ -276,6 +276,28 @@ def between_candidates(batch: int, vocab: int = 129280, rank: int = 256):
                        select_embed=True)
 
 
+def walk_candidates(batch: int, vocab: int = 129280, rank: int = 256):
+  """The table's fused tile at a batch of one request tile, as P programs
+  walking the vocabulary blocks in one pipelined (block, rank chunk) loop
+  (block_programs; without the table's early or prefetched proj chunks,
+  which it does not take), P = 2 to 5 programs a multiprocessor of 132
+  (ptxas on the CPU, session 35: 16 x 128 and 32 x 128 tiles keep their
+  registers' occupancy, 5 and 3 a multiprocessor; 64 x 128 rises to 255
+  registers, 2), and at 64 requests also 64 x 64 blocks (159 registers, 3).
+  Timed after the hook's default (``--grid walk``)."""
+  cfg = tuning.choose("fused", batch, vocab, rank, interpret=False)
+  if (cfg.method != "fused" or cfg.select != "pass" or cfg.bias_dot != "mma"
+      or batch > cfg.block_b):
+    return
+  plain = dataclasses.replace(cfg, early_proj=0, prefetch_proj=0,
+                              prefetch_programs=0, remainder_b=0)
+  for per_sm in (2, 3, 4, 5):
+    yield dataclasses.replace(plain, block_programs=per_sm * 132)
+  if cfg.block_b == 64:
+    for per_sm in (3, 4):
+      yield dataclasses.replace(plain, block_v=64, block_programs=per_sm * 132)
+
+
 def embed_candidates(table: KernelConfig):
   """The Mosaic GPU entry ``table`` (timed first, as every grid's default)
   with the select pass writing the next step's embeddings instead
@@ -542,7 +564,7 @@ def parser() -> argparse.ArgumentParser:
                  choices=("tiles", "partial", "remainder", "persistent",
                           "mosaic", "embed", "stores", "l2", "hints", "rows",
                           "select", "early", "prefetch", "dependents",
-                          "consumers", "between", "table"),
+                          "consumers", "between", "walk", "table"),
                  help="tiles: step-by-step tiles near the table's; "
                  "partial: every request-tile size for a batch that does "
                  "not fill its bucket (partial_candidates); "
@@ -571,6 +593,8 @@ def parser() -> argparse.ArgumentParser:
                  "192-request tiles (consumers_candidates); "
                  "between: the hook's default, then the Mosaic pass on "
                  "partial 128-request tiles (between_candidates); "
+                 "walk: the hook's default, then its tile as programs "
+                 "walking the vocabulary (walk_candidates); "
                  "table: the hook's default entry only (Mosaic GPU where "
                  "the table has one for a Hopper GPU)")
   p.add_argument("--dependent-launch", default="auto",
@@ -601,7 +625,8 @@ def main(argv=None):
     # table: what the hook runs by default (the Mosaic GPU entry where the
     # table has one for a Hopper GPU); the grids: their method's entry.
     method = dict(mosaic="mosaic", embed="mosaic", stores="mosaic",
-                  table=None, consumers=None, between=None).get(args.grid, "fused")
+                  table=None, consumers=None, between=None,
+                  walk=None).get(args.grid, "fused")
     hopper = torch.cuda.get_device_capability()[0] == 9
     gpu = torch.cuda.get_device_name()
     default = tuning.choose(method, batch, shape.V, shape.R, interpret=False,
@@ -626,6 +651,7 @@ def main(argv=None):
                                                            shape.R),
                 consumers=lambda b: consumers_candidates(b, shape.V, shape.R),
                 between=lambda b: between_candidates(b, shape.V, shape.R),
+                walk=lambda b: walk_candidates(b, shape.V, shape.R),
                 table=lambda _: ())[args.grid](batch)
     launches = [(d, keep) for d in dict(
         auto=(None,), on=(True,), off=(False,),

@@ -506,6 +506,20 @@ def test_tune_graph_candidates_and_cpu_refusal():
     assert all(c.partial_tiles and c.select_embed for c in cfgs)
   for batch in (64, 128, 256, 74):  # filled tiles, too few rows, not 4k
     assert not list(tune_graph.between_candidates(batch))
+  # --grid walk: the table's tile at one request tile, walking (2-5
+  # programs a multiprocessor; 64 x 64 blocks too at 64 requests), without
+  # the early or prefetched chunks it does not take.
+  for batch in (4, 32, 64):
+    table = tuning.choose("fused", batch, 129280, 256, interpret=False)
+    cfgs = list(tune_graph.walk_candidates(batch))
+    assert [c.block_programs for c in cfgs][:4] == [264, 396, 528, 660]
+    assert len(cfgs) == (6 if batch == 64 else 4)
+    for c in cfgs:
+      assert c == dataclasses.replace(
+          table, early_proj=0, prefetch_proj=0, prefetch_programs=0,
+          block_v=c.block_v, block_programs=c.block_programs)
+  assert not list(tune_graph.walk_candidates(1))    # the tail select
+  assert not list(tune_graph.walk_candidates(128))  # two request tiles
   for batch in (4, 64):  # the table's tile, other select warps only
     cfgs = list(tune_graph.select_candidates(batch))
     table = tuning.choose("fused", batch, 129280, 256, interpret=False)

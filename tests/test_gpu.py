@@ -213,6 +213,30 @@ def test_remainder_rows_change_nothing_at_deepseek_v4_shape(B,
   np.testing.assert_array_equal(greedy[1], greedy[0])
 
 
+@pytest.mark.parametrize("B,per_sm,block_v", [(32, 3, 128), (16, 5, 128),
+                                              (64, 2, 128), (64, 3, 64)])
+def test_walking_programs_are_the_plain_tile_at_deepseek_v4_shape(B, per_sm,
+                                                                   block_v):
+  """block_programs (programs walking the vocabulary in one pipelined loop
+  over (block, rank chunk)): the table's tile at one request tile, compiled,
+  gives the plain tile's draft bit for bit (the same dots in the same order
+  a block) and greedy drafts equal."""
+  from jax_markov.kernels import tuning
+  table = tuning.choose("fused", B, DSV4["V"], DSV4["R"], interpret=False)
+  plain = dataclasses.replace(table, early_proj=0, prefetch_proj=0,
+                              prefetch_programs=0, block_v=block_v)
+  walking = dataclasses.replace(plain, block_programs=per_sm * 132)
+  args = make_problem(B, DSV4["S"], DSV4["V"], DSV4["R"], jnp.bfloat16,
+                      seed=38, head_scale=0.1,
+                      temperature=np.arange(B) % 2 * 1.0)
+  drafts = [jm.sample_draft(*args, config=c) for c in (plain, walking)]
+  for want, got in zip(*drafts):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  check_sample_draft(drafts[1], *args)
+  greedy = [jm.greedy_draft(*args[:3], config=c) for c in (plain, walking)]
+  np.testing.assert_array_equal(greedy[1], greedy[0])
+
+
 @pytest.mark.parametrize("B", [1, 3])
 def test_persistent_draft_matches_block_pass_at_deepseek_v4_shape(B):
   """The persistent draft's programs (132 // B a request on an H200) meet at

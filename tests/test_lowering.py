@@ -152,6 +152,19 @@ def test_greedy_draft_lowers_to_triton(config, launches):
   assert _greedy_triton_calls(config, 5, 1000, 64, draft_vocab=600) == launches
 
 
+@pytest.mark.parametrize("into", [False, True])
+def test_walking_programs_lower_to_triton(into):
+  """block_programs (programs walking the vocabulary): the same launches,
+  sampling (both layouts) and greedy; a map is refused (one request tile
+  of the full vocabulary only)."""
+  config = _config(method="fused", block_b=16, block_v=128, block_k=32,
+                   block_programs=3)
+  assert _triton_calls(config, 5, 1000, 64, into=into) == 2 * S
+  assert _greedy_triton_calls(config, 5, 1000, 64) == 2 * S
+  with pytest.raises(ValueError, match="block_programs"):
+    _triton_calls(config, 5, 1000, 64, into=into, draft_vocab=600)
+
+
 def test_persistent_draft_refuses_a_map():
   config = CONFIGS[-1][0]
   assert config.select == "persistent"

@@ -298,6 +298,40 @@ def test_dependent_launch_reaches_the_mosaic_bucket(tmp_path, monkeypatch):
     native_plan.bucket_dependent_launch(shape, 256, True)
 
 
+def test_walking_programs_in_the_native_runtime(tmp_path, monkeypatch):
+  """A bucket whose table entry walks the vocabulary (block_programs) at the
+  DeepSeek-V4 shape: the native runtime lowers its block pass to a grid of
+  block_programs programs, built for a dependent launch (one wait, before
+  any global access), and triton compiles it for sm_90 (on the CPU) with
+  the plain tile's occupancy at 32 x 128 (ptxas: at most 168 registers, 3
+  programs a multiprocessor)."""
+  import dataclasses
+  from jax_markov.kernels import tuning
+  walk = dataclasses.replace(
+      tuning.choose("fused", 32, 129280, 256, interpret=False),
+      block_programs=396)
+  monkeypatch.setitem(tuning.TABLE, ("fused", 129280, 256, 32), walk)
+  tuning.choose.cache_clear()
+  try:
+    shape = _shape(32, 7, 129280, 256)
+    assert native_plan.shape_config(shape, 32) == walk
+    kernels = native_plan.lower_bucket(shape, 32,
+                                       native.IRCache(str(tmp_path)), (9, 0),
+                                       132, dependent_launch=True)
+  finally:
+    tuning.choose.cache_clear()
+  ir, path, _ = kernels["block_pass"]
+  assert ir.grid == (396, 1, 1)
+  assert ir.ttir.count("griddepcontrol.wait") == 1
+  if _TRITON:
+    from benchmarks import occupancy
+    kernel = native.compile_kernel(ir, path, (9, 0), launch_pdl=True)
+    ptx = kernel.asm["ptx"]
+    assert "ld.global" not in ptx[:ptx.index("griddepcontrol.wait")]
+    usage = occupancy.ptxas_usage(ptx, str(tmp_path / "walk.ptx"))
+    assert usage["registers"] <= 168 and not usage["spill_stores"], usage
+
+
 class _FakeDriver:
   """The three driver functions programmatic_dependency calls, as C
   callbacks with their CUDA 12.3 signatures (so the arguments cross

@@ -491,6 +491,55 @@ def test_remainder_b_is_checked():
                     select="persistent", remainder_b=1)
 
 
+@pytest.mark.parametrize("B,block_b,programs,serpentine", [
+    (5, 16, 1, True),    # one program walks all 5 blocks
+    (5, 16, 2, False),   # 3 and 2 blocks
+    (11, 16, 9, True),   # more programs than blocks: one a block
+])
+def test_walking_programs_are_the_plain_tile_bit_for_bit(B, block_b, programs,
+                                                         serpentine):
+  """block_programs (P programs walking the vocabulary in one loop over
+  (block, rank chunk)) sums each block as the plain tile does: the same
+  tokens and cache bit for bit, sampling (temperatures 0 and 1, dense and
+  into state rows that change between steps) and greedy; and the
+  reference's draft."""
+  plain = jm.KernelConfig(method="fused", block_b=block_b, block_v=64,
+                          block_k=32, serpentine=serpentine)
+  walking = dataclasses.replace(plain, block_programs=programs)
+  args = make_problem(B, 3, 300, 80, seed=50 + B,
+                      temperature=np.arange(B) % 2 * 1.0)
+  want = jm.sample_draft(*args, config=plain)
+  got = jm.sample_draft(*args, config=walking)
+  for w, g in zip(want, got):
+    np.testing.assert_array_equal(np.asarray(w), np.asarray(g))
+  assert_sample_drafts_agree(got, jm.reference.sample_draft(*args), *args)
+  base, anchor, head = args[:3]
+  np.testing.assert_array_equal(
+      jm.greedy_draft(base, anchor, head, config=walking),
+      jm.greedy_draft(base, anchor, head, config=plain))
+  if programs == 2:
+    _check_changing_rows(51, walking)
+
+
+def test_block_programs_is_checked():
+  for kw in (dict(block_programs=-1), dict(bias_dot="fma"),
+             dict(select="tail", block_b=1, bias_dot="fma"),
+             dict(k_loop="static"), dict(method="xla_bias", block_b=1)):
+    with pytest.raises(ValueError, match="block_programs"):
+      jm.KernelConfig(**{**dict(method="fused", block_b=16,
+                                block_programs=4), **kw})
+  for kw in (dict(remainder_b=8), dict(early_proj=1), dict(prefetch_proj=1),
+             dict(proj_l2_rows=64), dict(l2_hints="stream")):
+    with pytest.raises(ValueError, match="block_programs takes no"):
+      jm.KernelConfig(method="fused", block_b=16, block_programs=4, **kw)
+  # One request tile only: B = 20 on 16-request tiles is two.
+  args = make_problem(20, 3, 300, 80, seed=52)
+  with pytest.raises(ValueError, match="one request tile"):
+    jm.sample_draft(*args, config=jm.KernelConfig(
+        method="fused", block_b=16, block_v=64, block_k=32,
+        block_programs=4))
+
+
 @pytest.mark.parametrize("block_v,k_loop,unroll",
                          [(64, "fori", True), (128, "static", False),
                           (16, "fori", False)])

@@ -474,6 +474,105 @@ def _block_pass_kernel(ins, outs, *, config: KernelConfig, batch: int,
                  no_cache=no_cache)
 
 
+def _walking_block_pass_kernel(ins, outs, *, config: KernelConfig,
+                               batch: int, steps: int, vocab: int, rank: int,
+                               precision, no_cache: bool,
+                               dependent_launch: bool):
+  """config.block_programs programs over the one request tile: program p
+  takes the vocabulary blocks p, p + P, ... in one loop over (block, rank
+  chunk), so Triton's software pipeline loads the next block's first proj
+  and embedding chunks while this block's last chunk and epilogue run,
+  where a program a block fills and drains its own. Each block's sums are
+  _block_pass_kernel's in its order (the base tile is the accumulator at
+  the block's first chunk, then one dot a chunk): the same bits."""
+  block_b, block_v, block_k = config.block_b, config.block_v, config.block_k
+  f32 = jnp.float32
+  base_ref, step_ref = ins["base"], ins["step"]
+  embed_ref, proj_ref = ins["embed"], ins["proj"]
+  params_ref = ins.get("params")  # absent with no_cache
+  cache_rows_ref = ins.get("cache_rows")  # absent: the dense layout
+  tokens_ref = ins.get("tokens")  # absent at step 0
+  cache_ref = outs.get("cache")
+  bsum_ref = outs.get("block_sum")
+  bmax_ref, barg_ref = outs["block_max"], outs["block_argmax"]
+  p = pl.program_id(0)
+  programs = pl.num_programs(0)
+  num_blocks = pl.cdiv(vocab, block_v)
+  num_chunks = pl.cdiv(rank, block_k)
+
+  # Every load below depends on the step before (tokens) or sits in the
+  # loop with the ones that do, so the wait comes first.
+  zero = wait_for_prior_kernels(dependent_launch) if dependent_launch else 0
+  b_idx = jnp.arange(block_b) + zero
+  b_mask = b_idx < batch
+  draw = b_idx * steps + step_ref[0]
+  # The previous tokens' embedding rows, as _block_pass_kernel gathers them.
+  prev = plgpu.load(ins["anchors"].at[b_idx], mask=b_mask, other=0)
+  if tokens_ref is not None:
+    drawn = plgpu.load(tokens_ref.at[draw - 1],
+                       mask=b_mask & (step_ref[0] > 0), other=0)
+    prev = jnp.where(step_ref[0] > 0, drawn, prev)
+  e_rows = jnp.clip(prev, 0, embed_ref.shape[0] - 1)[:, None]
+  if not no_cache:
+    scale = plgpu.load(params_ref.at[0, draw], mask=b_mask, other=1.0)
+    if cache_rows_ref is None:
+      write, cache_rows = b_mask, draw
+    else:
+      cache_rows = plgpu.load(cache_rows_ref.at[draw], mask=b_mask, other=-1)
+      write = cache_rows >= 0
+    # Rows not written point past the cache (see _block_pass_kernel).
+    cache_rows = jnp.where(write, cache_rows, cache_ref.shape[0])
+  odd = step_ref[0] % 2 == 1
+
+  def epilogue(x, j, v0, v_cols, v_mask):
+    if no_cache:
+      y = jnp.where(x == x, x, -jnp.inf)
+      y = jnp.where(v_mask[None, :], y, -jnp.inf)
+      y_max = jnp.max(y, axis=1)
+      plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
+      plgpu.store(barg_ref.at[b_idx, j], first_max_index(y, y_max) + v0,
+                  mask=b_mask)
+      return
+    # The cache holds pre-temperature logits.
+    plgpu.store(cache_ref.at[cache_rows[:, None], v_cols[None, :]], x,
+                mask=write[:, None] & v_mask[None, :])
+    y_max, y_sum, y_arg = block_statistics(x, v_mask[None, :],
+                                           scale[:, None], v0)
+    plgpu.store(bmax_ref.at[b_idx, j], y_max, mask=b_mask)
+    plgpu.store(bsum_ref.at[b_idx, j], y_sum, mask=b_mask)
+    plgpu.store(barg_ref.at[b_idx, j], y_arg, mask=b_mask)
+
+  def chunk(it, acc):
+    t, c = jax.lax.div(it, num_chunks), jax.lax.rem(it, num_chunks)
+    j = p + t * programs
+    if config.serpentine:
+      # Odd steps walk from the end, as the one-block programs do.
+      j = jnp.where(odd, num_blocks - 1 - j, j)
+    v0 = j * block_v
+    v_cols = v0 + jnp.arange(block_v)
+    v_mask = v_cols < vocab
+    k_cols = (c * block_k + jnp.arange(block_k))[None, :]
+    first = c == 0
+    # The base tile, read at the block's first chunk only (masked off at
+    # the others: no memory access), is the accumulator's initial value.
+    base = plgpu.load(base_ref.at[draw[:, None], v_cols[None, :]],
+                      mask=(b_mask & first)[:, None] & v_mask[None, :],
+                      other=0).astype(f32)
+    acc = jnp.where(first, base, acc)
+    proj = plgpu.load(proj_ref.at[v_cols[:, None], k_cols],
+                      mask=v_mask[:, None] & (k_cols < rank), other=0)
+    emb = plgpu.load(embed_ref.at[e_rows, k_cols],
+                     mask=b_mask[:, None] & (k_cols < rank), other=0)
+    acc = bias_chunk(acc, emb, proj, bias_dot="mma", precision=precision)
+    pl.when(c == num_chunks - 1)(
+        lambda: epilogue(acc, j, v0, v_cols, v_mask))
+    return acc
+
+  mine = jax.lax.div(num_blocks - p + programs - 1, programs)
+  jax.lax.fori_loop(0, mine * num_chunks, chunk,
+                    jnp.zeros((block_b, block_v), f32))
+
+
 def _tail_select(ins, outs, i, *, config: KernelConfig, steps: int,
                  vocab: int, no_cache: bool):
   """select="tail": the request tile's last program to finish draws.
@@ -678,10 +777,22 @@ def block_pass(base: jax.Array, bias_or_head, step: jax.Array,
       vocab=vocab, rank=rank, keep_blocks=keep_blocks,
       remainder_rows=remainder_rows, precision=precision, no_cache=no_cache,
       dependent_launch=dependent_launch)
+  grid = (grid_tiles, num_blocks)
+  if config.block_programs:
+    if num_tiles != 1 or slots is not None or columns is not None:
+      raise ValueError(
+          "block_programs walks one request tile of the full vocabulary: B "
+          f"<= block_b = {config.block_b} (got B = {batch}), no slots or "
+          "columns")
+    kernel = functools.partial(
+        _walking_block_pass_kernel, config=config, batch=batch,
+        steps=num_steps, vocab=vocab, rank=rank, precision=precision,
+        no_cache=no_cache, dependent_launch=dependent_launch)
+    grid = (min(config.block_programs, num_blocks),)
   out = named_call(
       kernel, {name: given[name] for name in INPUTS}, outputs,
       aliased=ALIASED,
-      grid=(grid_tiles, num_blocks),
+      grid=grid,
       compiler_params=plgpu.CompilerParams(num_warps=config.num_warps,
                                            num_stages=config.num_stages),
       interpret=interpret,

@@ -150,6 +150,17 @@ class KernelConfig:
       the consumers' own stores in the captured draft at B = 64, 128 and
       256 on an H100 (the stores cost their memory traffic, not the
       consumers' time): an option, in no table entry.
+    block_programs: fused, step by step, the tensor cores, one request
+      tile (B <= block_b): the block pass as this many programs, each
+      walking the vocabulary blocks p, p + P, ... in one loop over (block,
+      rank chunk) that Triton software-pipelines across the blocks, the
+      block's epilogue (cache stores and statistics) under its last chunk,
+      instead of a program a block that fills and drains its own pipeline
+      (kernels/block_pass.py; docs/perf-notes.md "What is left"). The same
+      arithmetic in the same order: the same bits. 0: a program a block.
+      No remainder rows, early or prefetched proj chunks, L2-kept rows or
+      hints, reduced vocabulary or tail select. An experiment, in no table
+      entry: not yet run on a GPU.
   """
   method: str = "fused"
   block_b: int = 16
@@ -177,6 +188,7 @@ class KernelConfig:
   select_embed: bool = False
   store_warpgroup: bool = False
   l2_hints: str = "none"
+  block_programs: int = 0
 
   def __post_init__(self):
     for name, allowed in (("method", METHODS), ("k_loop", K_LOOPS),
@@ -281,6 +293,21 @@ class KernelConfig:
     if self.partial_tiles and self.method != "mosaic":
       raise ValueError("partial_tiles is for method='mosaic', got "
                        f"method={self.method!r}")
+
+    if self.block_programs:
+      if not (self.block_programs > 0 and fused and self.select == "pass"
+              and self.bias_dot == "mma" and self.k_loop == "fori"):
+        raise ValueError(
+            "block_programs must be >= 0 and needs the fused method on the "
+            "tensor cores with the select pass and k_loop='fori', got "
+            f"{self.block_programs} with method={self.method!r}, "
+            f"select={self.select!r}, bias_dot={self.bias_dot!r}, "
+            f"k_loop={self.k_loop!r}")
+      if (self.remainder_b or self.early_proj or self.prefetch_proj
+          or self.proj_l2_rows or self.l2_hints != "none"):
+        raise ValueError(
+            "block_programs takes no remainder_b, early_proj, prefetch_proj, "
+            "proj_l2_rows or l2_hints")
 
     if self.early_dependents and self.select != "pass":
       raise ValueError("early_dependents is for the select pass "
