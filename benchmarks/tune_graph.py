@@ -694,7 +694,8 @@ def main(argv=None):
                    dependent_launch=dependent, l2_persist=keep,
                    # $JAX_MARKOV_MOSAIC_DEPENDENT_LAUNCH: whether a Mosaic
                    # bucket takes dependent launches too (change 62).
-                   mosaic_dependent_launch=native_plan.mosaic_dependent_launch(),
+                   mosaic_dependent_launch=(
+                       native_plan.mosaic_dependent_launch()),
                    config=dataclasses.asdict(ran))
         if ran != cfg:  # the hook ran another configuration than asked
           row["asked"] = dataclasses.asdict(cfg)

@@ -486,7 +486,8 @@ def plan(base_shape, emb_shape, proj_shape, *, num_steps: int,
               row_stores=row_stores, omit=tuple(omit), base_slots=base_slots,
               cluster=cluster, chunk=chunk or 0, state_rows=state_rows,
               store_wg=store_wg, stage_pitch=stage_pitch,
-              dependent_launch=dependent_launch, num_b_tiles=num_b_tiles, num_v_tiles=num_v_tiles, grid_v=grid_v)
+              dependent_launch=dependent_launch, num_b_tiles=num_b_tiles,
+              num_v_tiles=num_v_tiles, grid_v=grid_v)
 
 
 def _swizzled(dtype):
